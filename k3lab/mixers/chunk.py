@@ -1,0 +1,146 @@
+"""Chunkwise-parallel forms of the linear-attention lineage (K3 spec §2.3).
+
+Same arguments and results as the recurrences in :mod:`k3lab.mixers.lineage`, plus
+``chunk_size``. The sequence is cut into chunks of ``C`` tokens (the last one padded internally,
+so any ``T`` works); inside a chunk everything is a few ``C×C`` matrix products, and only the
+state ``S [B, H, K, V]`` is carried from chunk to chunk. One routine, :func:`delta_rule_chunk`,
+serves all six mixers: a scalar decay is the per-channel decay with every channel equal, no decay
+is ``g = 0``, and the mixers without the delta rule skip the UT transform (``Ṽ = V``).
+
+Per chunk, with in-chunk cumulative log-decay ``G_r = Σ_{i≤r} g_i`` and ``Γ_r = exp(G_r)``::
+
+    L_ij = β_i Σ_d k_id k_jd exp(G_id − G_jd)   (j < i)       A_ij = Σ_d q_id k_jd exp(G_id − G_jd)   (j ≤ i)
+    T    = (I + L)^{-1} Diag(β)          W = T (Γ ⊙ K)          U = T V          (UT / WY transform)
+    Ṽ    = U − W S                        (pseudo-values: the delta-rule corrections of the chunk)
+    O    = (Γ ⊙ Q) S + A Ṽ
+    S'   = Diag(Γ_C) S + (exp(G_C − G) ⊙ K)ᵀ Ṽ
+
+Every ``exp`` here is of a non-positive number (``G_i − G_j`` with ``j ≤ i``, ``G_r`` and
+``G_C − G_r``), so no factor can overflow whatever the decay; this is the reference, not the
+fast tensor-core form that rescales keys by ``1/Γ`` (see notebook 03 for why K3 bounds ``g ≥ -5``).
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from k3lab.mixers.lineage import check_decay, check_mixer_inputs, compute_dtype, retnet_log_decay
+
+Tensor = torch.Tensor
+
+
+def decayed_scores(a: Tensor, b: Tensor, G: Tensor, strict: bool) -> Tensor:
+    """``M_ij = Σ_d a_id b_jd exp(G_id − G_jd)`` for ``j < i`` (strict) or ``j ≤ i``, else 0.
+
+    a, b: ``[..., C, K]``; G: ``[..., C, K]`` per channel or ``[..., C, 1]`` one decay for all
+    channels (then ``M = (a bᵀ) ⊙ exp(G_i − G_j)`` without the ``[C, C, K]`` tensor). Returns ``[..., C, C]``.
+    """
+    C = a.shape[-2]
+    keep = torch.ones(C, C, dtype=torch.bool, device=a.device).tril(-1 if strict else 0)  # [C, C]
+    diff = (G[..., :, None, :] - G[..., None, :, :]).masked_fill(~keep[:, :, None], -math.inf)  # [..., C, C, K|1]
+    decay = torch.exp(diff)  # ≤ 1 where kept, exactly 0 above the diagonal (and no inf·0 in the backward)
+    if G.shape[-1] == 1:
+        return (a @ b.transpose(-1, -2)) * decay[..., 0]
+    return torch.einsum("...id,...jd,...ijd->...ij", a, b, decay)
+
+
+def to_chunks(x: Tensor, C: int) -> Tensor:
+    """``[B, T, H, ...]`` → ``[B, H, N, C, ...]`` with zeros appended to reach ``N·C`` tokens."""
+    B, T, H = x.shape[:3]
+    N = -(-T // C)
+    pad = [0, 0] * (x.dim() - 2) + [0, N * C - T]  # F.pad lists dims from the last one
+    x = F.pad(x, pad).reshape(B, N, C, H, *x.shape[3:])
+    return x.transpose(1, 3).transpose(2, 3)  # [B, H, N, C, ...]
+
+
+def delta_rule_chunk(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor | None,
+    beta: Tensor | None,
+    scale: float | None = None,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = True,
+    chunk_size: int = 64,
+) -> tuple[Tensor, Tensor | None]:
+    r"""Chunkwise form of :func:`k3lab.mixers.lineage.delta_rule_recurrent` (equations in the module docstring).
+
+    ``g``: ``[B, T, H, K]`` or ``[B, T, H]`` log-decay or None; ``beta``: ``[B, T, H]`` or None (no
+    delta rule: ``Ṽ = V``). Padding tokens carry ``k = v = q = 0``, ``g = 0``, ``β = 0``, so they
+    neither decay nor write the state.
+    """
+    check_mixer_inputs(q, k, v, g, beta, initial_state)
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    C = min(chunk_size, T)
+    dtype, out_dtype = compute_dtype(q, k, v, g, beta, initial_state), v.dtype
+    scale = K ** -0.5 if scale is None else scale
+    q, k, v = (to_chunks(x.to(dtype), C) for x in (q, k, v))  # [B, H, N, C, K|V]
+    q = q * scale
+    if g is None:
+        g = q.new_zeros(B, T, H, 1)
+    g = g.to(dtype) if g.dim() == 4 else g.to(dtype)[..., None]
+    G = to_chunks(g, C).cumsum(-2)  # [B, H, N, C, K|1] in-chunk cumulative log-decay
+    gamma = torch.exp(G)  # Γ_r
+    gamma_last = gamma[..., -1:, :]  # Γ_C [B, H, N, 1, K|1]
+    k_to_end = torch.exp(G[..., -1:, :] - G) * k  # K̃_r = exp(G_C − G_r) ⊙ k_r
+    A = decayed_scores(q, k, G, strict=False)  # [B, H, N, C, C]
+    if beta is None:
+        W, U = None, v
+    else:
+        b = to_chunks(beta.to(dtype), C)[..., None]  # [B, H, N, C, 1]
+        eye = torch.eye(C, dtype=dtype, device=q.device)
+        I_plus_L = eye + b * decayed_scores(k, k, G, strict=True)  # unit lower-triangular
+        rhs = torch.cat([b * gamma * k, b * v], dim=-1)  # Diag(β) [Γ ⊙ K, V]
+        WU = torch.linalg.solve_triangular(I_plus_L, rhs, upper=False, unitriangular=True)
+        W, U = WU[..., :K], WU[..., K:]  # W = T (Γ ⊙ K), U = T V
+    S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.to(dtype)
+    o = []
+    for n in range(q.shape[2]):
+        v_new = U[:, :, n] if W is None else U[:, :, n] - W[:, :, n] @ S  # Ṽ: pseudo-values [B, H, C, V]
+        o.append((gamma[:, :, n] * q[:, :, n]) @ S + A[:, :, n] @ v_new)  # [B, H, C, V]
+        S = gamma_last[:, :, n].transpose(-1, -2) * S + k_to_end[:, :, n].transpose(-1, -2) @ v_new
+    o = torch.stack(o, dim=2).permute(0, 2, 3, 1, 4).reshape(B, -1, H, V)[:, :T]  # [B, T, H, V]
+    return o.to(out_dtype), (S if output_final_state else None)
+
+
+def linear_attention_chunk(q, k, v, scale=None, initial_state=None, output_final_state=True, chunk_size=64):
+    """Chunkwise :func:`k3lab.mixers.lineage.linear_attention_recurrent`: ``O = QS + tril(QKᵀ)V``."""
+    return delta_rule_chunk(q, k, v, None, None, scale, initial_state, output_final_state, chunk_size)
+
+
+def retnet_chunk(q, k, v, gamma, scale=None, initial_state=None, output_final_state=True, chunk_size=64):
+    """Chunkwise :func:`k3lab.mixers.lineage.retnet_recurrent` (fixed decay ``gamma [H]``)."""
+    g = retnet_log_decay(gamma, q)
+    return delta_rule_chunk(q, k, v, g, None, scale, initial_state, output_final_state, chunk_size)
+
+
+def mamba2_chunk(q, k, v, g, scale=None, initial_state=None, output_final_state=True, chunk_size=64):
+    """Chunkwise :func:`k3lab.mixers.lineage.mamba2_recurrent` (scalar log-decay ``g [B, T, H]``)."""
+    g = check_decay(g, "mamba2", per_channel=False)
+    return delta_rule_chunk(q, k, v, g, None, scale, initial_state, output_final_state, chunk_size)
+
+
+def deltanet_chunk(q, k, v, beta, scale=None, initial_state=None, output_final_state=True, chunk_size=64):
+    """Chunkwise :func:`k3lab.mixers.lineage.deltanet_recurrent` (UT transform, no decay)."""
+    return delta_rule_chunk(q, k, v, None, beta, scale, initial_state, output_final_state, chunk_size)
+
+
+def gated_deltanet_chunk(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=True, chunk_size=64):
+    """Chunkwise :func:`k3lab.mixers.lineage.gated_deltanet_recurrent` (scalar decay + UT transform)."""
+    g = check_decay(g, "gated_deltanet", per_channel=False)
+    return delta_rule_chunk(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size)
+
+
+def kda_chunk(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=True, chunk_size=64):
+    """Chunkwise :func:`k3lab.mixers.lineage.kda_recurrent` (K3 spec §2.3): per-channel ``g [B, T, H, K]``.
+
+    The torch reference the KDA layer and the Triton kernels are checked against. Returns
+    ``(o [B, T, H, V], final_state [B, H, K, V] float32/float64 or None)``.
+    """
+    g = check_decay(g, "kda", per_channel=True)
+    return delta_rule_chunk(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size)
