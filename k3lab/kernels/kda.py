@@ -1,0 +1,245 @@
+"""k3lab's Triton KDA: chunked forward + backward with autograd, and the one-token decode step.
+
+Same layout and semantics as the torch reference :func:`k3lab.mixers.chunk.kda_chunk` (K3 spec §2.2,
+§2.3): ``q, k [B, T, H, K]`` (L2-normalised by the caller), ``v [B, T, H, V]``, ``g [B, T, H, K]``
+the per-channel log-decay, ``beta [B, T, H]`` (after the sigmoid), states ``[B, H, K, V]`` in fp32.
+The kernels rely on K3's lower-bounded gate, ``g ∈ [−5, 0]`` (see :mod:`k3lab.kernels.kda_forward`
+for why), take any ``T`` (the last chunk is masked), bf16/fp16/fp32 activations, and run on CUDA or,
+for tests and notebooks, on CPU under ``TRITON_INTERPRET=1`` (set before importing this module).
+
+Launch parameters are fixed — tuned once on an H200 (``kernels/bench_kda.py --tune``) and written
+into :data:`LAUNCH` — so the first call compiles and runs, with no autotuning.
+"""
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from k3lab.kernels.kda_backward import kda_bwd_intra_kernel, kda_bwd_state_kernel, kda_bwd_wy_kernel
+from k3lab.kernels.kda_decode import kda_decode_kernel
+from k3lab.kernels.kda_forward import kda_fwd_intra_kernel, kda_fwd_output_kernel, kda_fwd_state_kernel
+
+Tensor = torch.Tensor
+
+CHUNK = 64  # BT: tokens per chunk
+TILE = 16  # BC: tokens per sub-chunk tile (16 × g ≥ −5 keeps every rescaling factor below e^80)
+MAX_HEAD_DIM = 256
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # triton reads it when the kernels are decorated
+ACTIVATION_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+# Launch parameters per kernel (H200, triton 3.6). "BV"/"BK": value/key block; the state kernels take
+# the widest value block that still gives at least `min_programs` programs, so long single sequences
+# (few B·H) still spread over the GPU's 132 SMs.
+LAUNCH = {
+    "fwd_intra": dict(BV=64, num_warps=4, num_stages=1),
+    "fwd_state": dict(BV=(64, 32, 16), min_programs=128, num_warps=4, num_stages=2),
+    "fwd_output": dict(BK=64, BV=64, num_warps=4, num_stages=2),
+    "bwd_state": dict(BV=(64, 32, 16), min_programs=128, num_warps=4, num_stages=2),
+    "bwd_wy": dict(BK=64, BV=64, num_warps=4, num_stages=1),
+    "bwd_intra": dict(BK=64, num_warps=4, num_stages=1),
+    "decode": dict(BV=32, num_warps=4, num_stages=1),
+}
+
+
+def _launch(name: str) -> dict:
+    """``num_warps``/``num_stages`` for a kernel launch (the interpreter takes none)."""
+    cfg = LAUNCH[name]
+    return {} if INTERPRET else {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+
+
+def _state_block_v(name: str, BH: int, V: int) -> int:
+    """Widest value block with ``≥ min_programs`` programs for a sequential state kernel."""
+    cfg = LAUNCH[name]
+    choices = [bv for bv in cfg["BV"] if bv <= max(16, triton.next_power_of_2(V))]
+    for bv in choices:
+        if BH * triton.cdiv(V, bv) >= cfg["min_programs"]:
+            return bv
+    return choices[-1]
+
+
+def _block(size: int, limit: int) -> int:
+    """A power-of-two block of at least 16 (tensor-core minimum) and at most ``limit`` covering ``size``."""
+    return min(max(16, triton.next_power_of_2(size)), limit)
+
+
+def _check_inputs(q, k, v, g, beta, initial_state) -> None:
+    """Raise ValueError naming the argument that does not fit the layout, dtype or device."""
+    for name, x, dim in (("q", q, 4), ("k", k, 4), ("v", v, 4), ("g", g, 4), ("beta", beta, 3)):
+        if not isinstance(x, Tensor) or x.dim() != dim:
+            raise ValueError(f"{name} must be a {dim}-d tensor, got {getattr(x, 'shape', type(x))}")
+    B, T, H, K = q.shape
+    if k.shape != q.shape or g.shape != q.shape:
+        raise ValueError(f"k {tuple(k.shape)} and g {tuple(g.shape)} must match q [B, T, H, K] = {tuple(q.shape)}")
+    if v.shape[:3] != (B, T, H) or beta.shape != (B, T, H):
+        raise ValueError(f"v {tuple(v.shape)} must be [B, T, H, V] and beta {tuple(beta.shape)} [B, T, H] "
+                         f"with B, T, H = {B, T, H}")
+    if T < 1 or K > MAX_HEAD_DIM or v.shape[-1] > MAX_HEAD_DIM:
+        raise ValueError(f"need T >= 1 and head dims K, V <= {MAX_HEAD_DIM}; got T={T}, K={K}, V={v.shape[-1]}")
+    if q.dtype not in ACTIVATION_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, k, v must share one dtype in {tuple(ACTIVATION_DTYPES)}; "
+                         f"got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not g.is_floating_point() or not beta.is_floating_point():
+        raise ValueError(f"g and beta must be floating point; got {g.dtype}, {beta.dtype}")
+    if initial_state is not None and initial_state.shape != (B, H, K, v.shape[-1]):
+        raise ValueError(f"initial_state must be [B, H, K, V] = {(B, H, K, v.shape[-1])}, "
+                         f"got {tuple(initial_state.shape)}")
+    if not q.is_cuda and not INTERPRET:
+        raise ValueError(f"k3lab.kernels need CUDA tensors (got device {q.device}); on CPU set TRITON_INTERPRET=1 "
+                         "before importing k3lab.kernels, or use the torch reference k3lab.mixers.chunk.kda_chunk")
+
+
+def kda_forward(q, k, v, g, beta, scale, initial_state, output_final_state):
+    """Run the three forward kernels; returns ``(o, final_state or None, saved)`` with ``saved`` the
+    tensors the backward reads (nothing sequential is recomputed there)."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    NT = triton.cdiv(T, CHUNK)
+    BK = _block(K, MAX_HEAD_DIM)
+    DT = ACTIVATION_DTYPES[q.dtype]
+    PREC = "ieee" if q.dtype == torch.float32 else "tf32"
+    f32 = dict(dtype=torch.float32, device=q.device)
+    qg, kg, w, u = torch.empty_like(q), torch.empty_like(k), torch.empty_like(k), torch.empty_like(v)
+    gl = torch.empty(B, NT, H, K, **f32)  # G_C per chunk
+    Aqk, Akk_inv, Mkk = (torch.empty(B, T, H, CHUNK, **f32) for _ in range(3))
+    kda_fwd_intra_kernel[(NT, B * H)](
+        q, k, v, g, beta, qg, kg, w, u, gl, Aqk, Akk_inv, Mkk, scale, T,
+        H=H, K=K, V=V, BT=CHUNK, BC=TILE, BK=BK, BV=_block(V, LAUNCH["fwd_intra"]["BV"]), DT=DT, PREC=PREC,
+        **_launch("fwd_intra"))
+    hs = q.new_empty(B, NT, H, K, V)  # state entering each chunk
+    v_new = torch.empty_like(v)
+    final_state = torch.empty(B, H, K, V, **f32) if output_final_state else None
+    BV = _state_block_v("fwd_state", B * H, V)
+    kda_fwd_state_kernel[(triton.cdiv(V, BV), B * H)](
+        w, u, kg, gl, initial_state, hs, v_new, final_state, T,
+        H=H, K=K, V=V, BT=CHUNK, BK=BK, BV=BV, HAS_H0=initial_state is not None,
+        STORE_HT=output_final_state, DT=DT, PREC=PREC, **_launch("fwd_state"))
+    o = torch.empty_like(v)
+    BV = _block(V, LAUNCH["fwd_output"]["BV"])
+    kda_fwd_output_kernel[(NT, triton.cdiv(V, BV), B * H)](
+        qg, hs, Aqk, v_new, o, T, H=H, K=K, V=V, BT=CHUNK, BK=_block(K, LAUNCH["fwd_output"]["BK"]), BV=BV,
+        DT=DT, PREC=PREC, **_launch("fwd_output"))
+    return o, final_state, (qg, kg, w, gl, Aqk, Akk_inv, Mkk, hs, v_new)
+
+
+def kda_backward(q, k, v, g, beta, scale, initial_state, saved, do, dht):
+    """Run the three backward kernels; returns ``(dq, dk, dv, dg, dbeta, dh0 or None)``."""
+    qg, kg, w, gl, Aqk, Akk_inv, Mkk, hs, v_new = saved
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    NT = triton.cdiv(T, CHUNK)
+    BK = _block(K, MAX_HEAD_DIM)
+    DT = ACTIVATION_DTYPES[q.dtype]
+    PREC = "ieee" if q.dtype == torch.float32 else "tf32"
+    f32 = dict(dtype=torch.float32, device=q.device)
+    dhs = q.new_empty(B, NT, H, K, V)  # gradient of the state leaving each chunk
+    dv_new = torch.empty_like(v)
+    dh0 = torch.empty(B, H, K, V, **f32) if initial_state is not None else None
+    BV = _state_block_v("bwd_state", B * H, V)
+    kda_bwd_state_kernel[(triton.cdiv(V, BV), B * H)](
+        qg, kg, w, gl, Aqk, do, dht, dhs, dv_new, dh0, T,
+        H=H, K=K, V=V, BT=CHUNK, BK=BK, BV=BV, HAS_DHT=dht is not None, STORE_DH0=dh0 is not None,
+        DT=DT, PREC=PREC, **_launch("bwd_state"))
+    dq_p, dk_p, dG_p = (torch.empty(B, T, H, K, **f32) for _ in range(3))
+    dP, dM = (torch.empty(B, T, H, CHUNK, **f32) for _ in range(2))
+    dv, dbeta = torch.empty_like(v), torch.empty_like(beta)
+    cfg = LAUNCH["bwd_wy"]
+    kda_bwd_wy_kernel[(NT, B * H)](
+        q, k, v, g, beta, Akk_inv, Mkk, hs, dhs, do, dv_new, v_new, dq_p, dk_p, dG_p, dv, dbeta, dP, dM, scale, T,
+        H=H, K=K, V=V, BT=CHUNK, BK=_block(K, cfg["BK"]), BV=_block(V, cfg["BV"]), DT=DT, PREC=PREC,
+        **_launch("bwd_wy"))
+    dq, dk, dg = torch.empty_like(q), torch.empty_like(k), torch.empty_like(g)
+    BKi = _block(K, LAUNCH["bwd_intra"]["BK"])
+    kda_bwd_intra_kernel[(NT, triton.cdiv(K, BKi), B * H)](
+        q, k, g, dP, dM, dq_p, dk_p, dG_p, dq, dk, dg, T,
+        H=H, K=K, BT=CHUNK, BC=TILE, BK=BKi, DT=DT, PREC=PREC, **_launch("bwd_intra"))
+    return dq, dk, dv, dg, dbeta, dh0
+
+
+class KDAChunkFunction(torch.autograd.Function):
+    """Autograd wrapper: forward and backward are the Triton kernels above."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state):
+        o, final_state, saved = kda_forward(q, k, v, g, beta, scale, initial_state, output_final_state)
+        ctx.save_for_backward(q, k, v, g, beta, initial_state, *saved)
+        ctx.scale = scale
+        ctx.set_materialize_grads(False)
+        return o, final_state
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        q, k, v, g, beta, initial_state, *saved = ctx.saved_tensors
+        if do is None:
+            do = torch.zeros_like(v)
+        dq, dk, dv, dg, dbeta, dh0 = kda_backward(
+            q, k, v, g, beta, ctx.scale, initial_state, saved, do.contiguous(),
+            None if dht is None else dht.float().contiguous())
+        return dq, dk, dv, dg, dbeta, None, dh0, None
+
+
+def kda_chunk(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    scale: float | None = None,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    r"""Chunkwise KDA on Triton kernels, differentiable in q, k, v, g, beta and initial_state.
+
+    Computes, per head, ``S_t = (I − β_t k_t k_tᵀ) Diag(exp(g_t)) S_{t−1} + β_t k_t v_tᵀ`` and
+    ``o_t = scale · S_tᵀ q_t`` (K3 spec §2.2) in chunks of 64 tokens with 16-token tiles (§2.3).
+
+    Args:
+        q, k: ``[B, T, H, K]``, L2-normalised. v: ``[B, T, H, V]`` (same dtype: bf16, fp16 or fp32).
+        g: ``[B, T, H, K]`` log-decay in ``[−5, 0]`` (K3's lower-bounded gate). beta: ``[B, T, H]`` in (0, 1).
+        scale: defaults to ``K ** -0.5``. initial_state: ``[B, H, K, V]`` (read in fp32).
+        output_final_state: also return the state after the last token.
+    Returns:
+        ``(o [B, T, H, V] in v.dtype, final_state [B, H, K, V] fp32 or None)``.
+    """
+    _check_inputs(q, k, v, g, beta, initial_state)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    if initial_state is not None:
+        initial_state = initial_state.float().contiguous()
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    return KDAChunkFunction.apply(q, k, v, g, beta, scale, initial_state, bool(output_final_state))
+
+
+def kda_decode_step(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    state: Tensor | None,
+    scale: float | None = None,
+) -> tuple[Tensor, Tensor]:
+    r"""One fused recurrent step for generation (forward only): ``T`` must be 1.
+
+    Args:
+        q, k, g: ``[B, 1, H, K]``; v: ``[B, 1, H, V]``; beta: ``[B, 1, H]``; state: ``[B, H, K, V]``
+        or None (zeros). Same conventions as :func:`kda_chunk`.
+    Returns:
+        ``(o [B, 1, H, V] in v.dtype, new_state [B, H, K, V] fp32)``; ``state`` is not modified.
+    """
+    _check_inputs(q, k, v, g, beta, state)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    if T != 1:
+        raise ValueError(f"kda_decode_step takes one token (T == 1), got T={T}; use kda_chunk for prefill")
+    scale = K ** -0.5 if scale is None else float(scale)
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    if state is not None:
+        state = state.float().contiguous()
+    o = torch.empty_like(v)
+    new_state = torch.empty(B, H, K, V, dtype=torch.float32, device=q.device)
+    BV = _block(V, LAUNCH["decode"]["BV"])
+    kda_decode_kernel[(triton.cdiv(V, BV), B * H)](
+        q, k, v, g, beta, state, o, new_state, scale,
+        H=H, K=K, V=V, BK=_block(K, MAX_HEAD_DIM), BV=BV, HAS_STATE=state is not None, **_launch("decode"))
+    return o, new_state

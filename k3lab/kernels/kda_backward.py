@@ -1,0 +1,257 @@
+"""Triton backward kernels of chunkwise KDA (K3 spec §2.3); notation as in :mod:`k3lab.kernels.kda_forward`.
+
+The forward saves the state entering every chunk (``hs``), the pseudo-values ``Ṽ``, ``A⁻¹``, ``M``,
+the scaled scores ``Aqk = scale·P`` and ``qg``, ``kg``, ``W``, ``G_C``: the backward recomputes
+nothing sequential. With ``dS`` the gradient of the state *leaving* a chunk, and ``dO``:
+
+1. :func:`kda_bwd_state_kernel`, grid (V blocks, B·H), chunks in reverse — the only sequential part::
+
+        dṼ = Aqkᵀ dO + kg dS                         (Ṽ feeds the output and the next state)
+        dS ← Diag(Γ_C) dS + qgᵀ dO − Wᵀ dṼ           (gradient of the state entering the chunk)
+
+   It stores ``dS`` per chunk and ``dṼ`` (= ``dU``, since ``Ṽ = U − W S``); the last ``dS`` is ``dh0``.
+2. :func:`kda_bwd_wy_kernel`, grid (chunks, B·H): the chunk-level (inter-chunk and UT-transform)
+   gradients::
+
+        dq   = scale Γ ⊙ (dO Sᵀ)                      dK̃ = Ṽ dS'ᵀ → dk += exp(G_C − G) ⊙ dK̃
+        dW   = −dṼ Sᵀ            d(βΓK) = A⁻ᵀ dW       d(βV) = A⁻ᵀ dṼ  → dv, dβ, dk
+        dA⁻¹ = dW (βΓK)ᵀ + dṼ (βV)ᵀ                   dL = −A⁻ᵀ dA⁻¹ A⁻ᵀ (strictly lower)
+        dβ_i += Σ_j dL_ij M_ij,   dM = Diag(β) dL,   dP = scale·(dO Ṽᵀ) (lower)
+
+   plus ``dG`` from every place a decay appears (``q ⊙ dq`` where G enters with a plus sign,
+   ``−k ⊙ dk`` where it enters with a minus sign, and the ``G_C`` terms on the last row).
+   Partial ``dq, dk, dG`` (fp32) and ``dP, dM`` go to scratch buffers.
+3. :func:`kda_bwd_intra_kernel`, grid (chunks, K blocks, B·H): the gradients through the 16-token
+   score tiles, with the same anchors as the forward, then ``dg = reverse cumsum of dG`` in the chunk.
+"""
+
+import triton
+import triton.language as tl
+
+from k3lab.kernels.kda_forward import decay_from_anchor, decay_to_end, mm, mm_fp32
+
+
+@triton.jit(do_not_specialize=["T"])
+def kda_bwd_state_kernel(
+    qg, kg, w, gl, Aqk, do, dht,   # inputs (dht [B, H, K, V] fp32, read if HAS_DHT)
+    dhs, dv_new, dh0,              # outputs: dS per chunk [B, NT, H, K, V], dṼ [B, T, H, V], dh0 fp32
+    T,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
+):
+    """Reverse recurrence for a ``[K, BV]`` slice of the state gradient (fp32 in registers)::
+
+        for each chunk t, last to first:
+            dhs[t] = dS;   dṼ = Aqkᵀ dO + kg dS;   dS ← Diag(Γ_C) dS + qgᵀ dO − Wᵀ dṼ
+    """
+    i_v, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    NT = tl.cdiv(T, BT)
+    bos = i_b.to(tl.int64) * T
+    rows = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k = o_k < K
+    m_kv = m_k[:, None] & (o_v < V)[None, :]
+    p_kv = o_k[:, None] * V + o_v[None, :]
+    if HAS_DHT:
+        b_dh = tl.load(dht + (i_b.to(tl.int64) * H + i_h) * K * V + p_kv, mask=m_kv, other=0.0).to(tl.float32)
+    else:
+        b_dh = tl.zeros([BK, BV], dtype=tl.float32)
+    for i_r in range(NT):
+        i_t = NT - 1 - i_r
+        tl.store(dhs + ((i_b.to(tl.int64) * NT + i_t) * H + i_h) * K * V + p_kv, b_dh.to(DT), mask=m_kv)
+        o_t = i_t * BT + rows
+        m_t = o_t < T
+        p_tk = ((bos + o_t[:, None]) * H + i_h) * K + o_k[None, :]
+        p_tv = ((bos + o_t[:, None]) * H + i_h) * V + o_v[None, :]
+        m_tk = m_t[:, None] & m_k[None, :]
+        m_tv = m_t[:, None] & (o_v < V)[None, :]
+        b_A = tl.load(Aqk + ((bos + o_t[:, None]) * H + i_h) * BT + rows[None, :], mask=m_t[:, None], other=0.0)
+        b_do = tl.load(do + p_tv, mask=m_tv, other=0.0)
+        b_kg = tl.load(kg + p_tk, mask=m_tk, other=0.0)
+        b_dvn = mm(tl.trans(b_A), b_do, DT, PREC) + mm(b_kg, b_dh, DT, PREC)  # [BT, BV]
+        tl.store(dv_new + p_tv, b_dvn.to(DT), mask=m_tv)
+        b_qg = tl.load(qg + p_tk, mask=m_tk, other=0.0)
+        b_w = tl.load(w + p_tk, mask=m_tk, other=0.0)
+        b_gl = tl.load(gl + ((i_b.to(tl.int64) * NT + i_t) * H + i_h) * K + o_k, mask=m_k, other=0.0)
+        b_dh = b_dh * tl.exp(b_gl)[:, None] + mm(tl.trans(b_qg), b_do, DT, PREC) - mm(tl.trans(b_w), b_dvn, DT, PREC)
+    if STORE_DH0:
+        tl.store(dh0 + (i_b.to(tl.int64) * H + i_h) * K * V + p_kv, b_dh, mask=m_kv)
+
+
+@triton.jit(do_not_specialize=["T"])
+def kda_bwd_wy_kernel(
+    q, k, v, g, beta, Akk_inv, Mkk, hs, dhs, do, dv_new, v_new,   # inputs
+    dq_p, dk_p, dG_p, dv, dbeta, dP, dM,                           # outputs
+    scale, T,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    DT: tl.constexpr, PREC: tl.constexpr,
+):
+    """Chunk-level gradients of one chunk (see the module docstring). ``S`` is ``hs[t]``, the state
+    entering the chunk, and ``dS'`` is ``dhs[t]``, the gradient of the state leaving it.
+
+    Decay gradients (``dG`` before the in-chunk reverse cumsum), for the terms handled here::
+
+        dG += q ⊙ dq                 (Γ ⊙ Q in the output)
+        dG −= kg ⊙ dK̃                (exp(−G) in kg = exp(G_C − G) ⊙ K)
+        dG += βΓk ⊙ d(βΓK)          (Γ in W)
+        dG_C += Γ_C ⊙ Σ_v S ⊙ dS' + Σ_r kg ⊙ dK̃     (on the last valid row)
+    """
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    NT = tl.cdiv(T, BT)
+    t0 = i_t * BT
+    bos = i_b.to(tl.int64) * T
+    rows = tl.arange(0, BT)
+    o_t = t0 + rows
+    m_t = o_t < T
+    last = tl.minimum(T - t0, BT) - 1  # last valid row of the chunk
+    p_tA = ((bos + o_t[:, None]) * H + i_h) * BT + rows[None, :]
+    p_state = ((i_b.to(tl.int64) * NT + i_t) * H + i_h) * K * V
+    b_beta = tl.load(beta + (bos + o_t) * H + i_h, mask=m_t, other=0.0).to(tl.float32)
+    b_Ai = tl.load(Akk_inv + p_tA, mask=m_t[:, None], other=0.0)  # [BT, BT]
+
+    # value side: dP = dO Ṽᵀ, d(βV) = A⁻ᵀ dṼ, dA⁻¹ = dṼ (βV)ᵀ
+    b_dA = tl.zeros([BT, BT], dtype=tl.float32)
+    b_dAi = tl.zeros([BT, BT], dtype=tl.float32)
+    b_dbeta = tl.zeros([BT], dtype=tl.float32)
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_tv = m_t[:, None] & (o_v < V)[None, :]
+        p_tv = ((bos + o_t[:, None]) * H + i_h) * V + o_v[None, :]
+        b_do = tl.load(do + p_tv, mask=m_tv, other=0.0)
+        b_vn = tl.load(v_new + p_tv, mask=m_tv, other=0.0)
+        b_dvn = tl.load(dv_new + p_tv, mask=m_tv, other=0.0)
+        b_v = tl.load(v + p_tv, mask=m_tv, other=0.0).to(tl.float32)
+        b_dA += mm(b_do, tl.trans(b_vn), DT, PREC)
+        b_dvb = mm(tl.trans(b_Ai), b_dvn, DT, PREC)  # d(βV) [BT, BV]
+        tl.store(dv + p_tv, (b_dvb * b_beta[:, None]).to(dv.dtype.element_ty), mask=m_tv)
+        b_dbeta += tl.sum(b_dvb * b_v, 1)
+        b_dAi += mm(b_dvn, tl.trans(b_v * b_beta[:, None]), DT, PREC)
+
+    # key side, one block of key channels at a time
+    for i_k in range(tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = o_k < K
+        m_tk = m_t[:, None] & m_k[None, :]
+        b_dqg = tl.zeros([BT, BK], dtype=tl.float32)  # dO Sᵀ
+        b_dkt = tl.zeros([BT, BK], dtype=tl.float32)  # Ṽ dS'ᵀ  (gradient of kg)
+        b_dw = tl.zeros([BT, BK], dtype=tl.float32)   # dṼ Sᵀ  (= −dW)
+        b_hdh = tl.zeros([BK], dtype=tl.float32)      # Σ_v S ⊙ dS'
+        for i_v in range(tl.cdiv(V, BV)):
+            o_v = i_v * BV + tl.arange(0, BV)
+            m_tv = m_t[:, None] & (o_v < V)[None, :]
+            m_kv = m_k[:, None] & (o_v < V)[None, :]
+            p_tv = ((bos + o_t[:, None]) * H + i_h) * V + o_v[None, :]
+            b_do = tl.load(do + p_tv, mask=m_tv, other=0.0)
+            b_vn = tl.load(v_new + p_tv, mask=m_tv, other=0.0)
+            b_dvn = tl.load(dv_new + p_tv, mask=m_tv, other=0.0)
+            b_h = tl.load(hs + p_state + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.0)
+            b_dh = tl.load(dhs + p_state + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.0)
+            b_dqg += mm(b_do, tl.trans(b_h), DT, PREC)
+            b_dkt += mm(b_vn, tl.trans(b_dh), DT, PREC)
+            b_dw += mm(b_dvn, tl.trans(b_h), DT, PREC)
+            b_hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), 1)
+        p_tk = ((bos + o_t[:, None]) * H + i_h) * K + o_k[None, :]
+        b_q = tl.load(q + p_tk, mask=m_tk, other=0.0).to(tl.float32)
+        b_k = tl.load(k + p_tk, mask=m_tk, other=0.0).to(tl.float32)
+        b_g = tl.load(g + p_tk, mask=m_tk, other=0.0).to(tl.float32)
+        b_gl = tl.sum(b_g, 0)
+        b_gam = tl.exp(tl.cumsum(b_g, 0))
+        b_dec = tl.exp(decay_to_end(b_g))  # exp(G_C − G)
+        b_kg = b_k * b_dec
+        b_kbg = b_k * b_beta[:, None] * b_gam  # βΓ ⊙ K, the right-hand side of W
+        b_dq = scale * b_gam * b_dqg
+        b_dk = b_dec * b_dkt
+        b_dkbg = -mm(tl.trans(b_Ai), b_dw, DT, PREC)  # d(βΓK) = A⁻ᵀ dW
+        b_dk += b_beta[:, None] * b_gam * b_dkbg
+        b_dbeta += tl.sum(b_dkbg * b_gam * b_k, 1)
+        b_dG = b_q * b_dq - b_kg * b_dkt + b_kbg * b_dkbg
+        b_dGC = tl.exp(b_gl) * b_hdh + tl.sum(b_kg * b_dkt, 0)
+        b_dG += tl.where(rows[:, None] == last, b_dGC[None, :], 0.0)
+        b_dAi -= mm(b_dw, tl.trans(b_kbg), DT, PREC)
+        tl.store(dq_p + p_tk, b_dq, mask=m_tk)
+        tl.store(dk_p + p_tk, b_dk, mask=m_tk)
+        tl.store(dG_p + p_tk, b_dG, mask=m_tk)
+
+    # through the inverse: dL = −A⁻ᵀ dA⁻¹ A⁻ᵀ, kept strictly lower
+    b_dL = -mm_fp32(mm_fp32(tl.trans(b_Ai), b_dAi, PREC), tl.trans(b_Ai), PREC)
+    b_dL = tl.where(rows[:, None] > rows[None, :], b_dL, 0.0)
+    b_M = tl.load(Mkk + p_tA, mask=m_t[:, None], other=0.0)
+    b_dbeta += tl.sum(b_dL * b_M, 1)
+    tl.store(dM + p_tA, b_dL * b_beta[:, None], mask=m_t[:, None])
+    tl.store(dP + p_tA, tl.where(rows[:, None] >= rows[None, :], b_dA * scale, 0.0), mask=m_t[:, None])
+    tl.store(dbeta + (bos + o_t) * H + i_h, b_dbeta.to(dbeta.dtype.element_ty), mask=m_t)
+
+
+@triton.jit(do_not_specialize=["T"])
+def kda_bwd_intra_kernel(
+    q, k, g, dP, dM, dq_p, dk_p, dG_p,   # inputs
+    dq, dk, dg,                          # outputs
+    T,
+    H: tl.constexpr, K: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+    DT: tl.constexpr, PREC: tl.constexpr,
+):
+    """Gradients through ``P_ij = Σ_d q_id k_jd e^{G_id − G_jd}`` and ``M`` (same form with k for q),
+    one 16-token tile ``I`` (rows ``a .. a+15``) at a time, anchored at ``a`` like the forward::
+
+        row side  (i in I):   dq_i  += e^{G_i−G_a} ⊙ Σ_j dP_ij k_j e^{G_a−G_j}
+                              dk_i  += e^{G_i−G_a} ⊙ Σ_j dM_ij k_j e^{G_a−G_j}
+        column side (j in I): dk_j  += e^{G_a−G_j} ⊙ Σ_{i≥a} (dP_ij q_i + dM_ij k_i) e^{G_i−G_a}
+        dG = q ⊙ dq_row + k ⊙ dk_row − k ⊙ dk_col
+
+    Each is a ``[16, 64] × [64, BK]`` tensor-core product. Tiles go last to first, so that
+    ``dg_i = Σ_{r ≥ i} dG_r`` (the in-chunk reverse cumsum) carries a running sum from later tiles.
+    """
+    i_t, i_kb, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    t0 = i_t * BT
+    bos = i_b.to(tl.int64) * T
+    rows = tl.arange(0, BT)
+    o_t = t0 + rows
+    m_t = o_t < T
+    o_k = i_kb * BK + tl.arange(0, BK)
+    m_k = o_k < K
+    m_tk = m_t[:, None] & m_k[None, :]
+    o_c = tl.arange(0, BC)
+    p_tk = ((bos + o_t[:, None]) * H + i_h) * K + o_k[None, :]
+    b_q = tl.load(q + p_tk, mask=m_tk, other=0.0).to(tl.float32)
+    b_k = tl.load(k + p_tk, mask=m_tk, other=0.0).to(tl.float32)
+    b_g = tl.load(g + p_tk, mask=m_tk, other=0.0).to(tl.float32)
+    b_carry = tl.zeros([BK], dtype=tl.float32)  # Σ of dG over the later tiles
+    for ii in tl.static_range(BT // BC):
+        a = (BT // BC - 1 - ii) * BC
+        o_i = t0 + a + o_c
+        m_i = o_i < T
+        m_ik = m_i[:, None] & m_k[None, :]
+        p_ik = ((bos + o_i[:, None]) * H + i_h) * K + o_k[None, :]
+        b_z = decay_from_anchor(b_g, rows, a)  # G_j − G_a
+        b_kh = b_k * tl.exp(tl.where(rows[:, None] < a + BC, -b_z, float("-inf")))  # keys up to the tile
+        b_e = tl.exp(tl.where(rows[:, None] >= a, b_z, float("-inf")))  # rows from the tile on, ≤ 1
+        # score-gradient rows of the tile, and its columns (transposed)
+        p_iA = ((bos + o_i[:, None]) * H + i_h) * BT + rows[None, :]
+        p_iAT = ((bos + o_t[None, :]) * H + i_h) * BT + (a + o_c)[:, None]
+        b_dP = tl.load(dP + p_iA, mask=m_i[:, None], other=0.0)
+        b_dM = tl.load(dM + p_iA, mask=m_i[:, None], other=0.0)
+        b_dPT = tl.load(dP + p_iAT, mask=m_t[None, :], other=0.0)
+        b_dMT = tl.load(dM + p_iAT, mask=m_t[None, :], other=0.0)
+        b_qi = tl.load(q + p_ik, mask=m_ik, other=0.0).to(tl.float32)
+        b_ki = tl.load(k + p_ik, mask=m_ik, other=0.0).to(tl.float32)
+        b_gi = tl.load(g + p_ik, mask=m_ik, other=0.0).to(tl.float32)
+        b_lc = tl.cumsum(tl.where(o_c[:, None] > 0, b_gi, 0.0), 0)  # G_i − G_a
+        b_qf = tl.exp(b_lc)
+        b_dq_row = b_qf * mm(b_dP, b_kh, DT, PREC)
+        b_dk_row = b_qf * mm(b_dM, b_kh, DT, PREC)
+        b_dk_col = tl.exp(-b_lc) * (mm(b_dPT, b_q * b_e, DT, PREC) + mm(b_dMT, b_k * b_e, DT, PREC))
+        b_dqi = tl.load(dq_p + p_ik, mask=m_ik, other=0.0) + b_dq_row
+        b_dki = tl.load(dk_p + p_ik, mask=m_ik, other=0.0) + b_dk_row + b_dk_col
+        b_dGi = tl.load(dG_p + p_ik, mask=m_ik, other=0.0) + b_qi * b_dq_row + b_ki * (b_dk_row - b_dk_col)
+        b_dgi = b_carry[None, :] + tl.cumsum(b_dGi, 0, reverse=True)
+        b_carry += tl.sum(b_dGi, 0)
+        tl.store(dq + p_ik, b_dqi.to(dq.dtype.element_ty), mask=m_ik)
+        tl.store(dk + p_ik, b_dki.to(dk.dtype.element_ty), mask=m_ik)
+        tl.store(dg + p_ik, b_dgi.to(dg.dtype.element_ty), mask=m_ik)

@@ -1,0 +1,245 @@
+"""The K3 KDA layer: Kimi Delta Attention with K3's bounded gate and full-rank output gate (K3 spec §2.1–2.5).
+
+Per token ``x_t [D]`` and head ``h`` (``H`` heads, ``K = V = head_dim``)::
+
+    q_t, k_t = L2Norm(SiLU(ShortConv(W_{q/k} x_t)))                  (eps 1e-6, float32)
+    v_t      =        SiLU(ShortConv(W_v x_t))
+    β_t      = σ(W_β x_t)                                            ∈ (0, 1)     (b_proj)
+    z_t      = W_α↑ W_α↓ x_t + b_α                                   (f_b_proj ∘ f_a_proj, rank K; dt_bias)
+    g_t      = g_min · σ(e^{A_h} z_t),  g_min = -5                   ∈ (-5, 0)^K  (kda_gate="k3")
+             = -e^{A_h} · softplus(z_t)                              ∈ (-∞, 0)^K  (kda_gate="kimi_linear")
+    S_t      = (I − β_t k_t k_tᵀ) Diag(e^{g_t}) S_{t-1} + β_t k_t v_tᵀ,   õ_t = S_tᵀ (K^{-1/2} q_t)
+    y_t      = W_o [ σ(W_g x_t) ⊙ RMSNorm_head(õ_t) ]                (g_proj full rank, no bias; o_norm [V])
+
+The recurrence runs chunkwise (``k3lab.mixers.chunk.kda_chunk``) for prompts and training, one
+step at a time for decoding; the layer carries its state in a :class:`KDACache`, so feeding a
+sequence piece by piece gives the same output as one forward over all of it.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from k3lab.backend import resolve_backend
+from k3lab.mixers.chunk import kda_chunk
+from k3lab.mixers.lineage import kda_recurrent
+
+Tensor = torch.Tensor
+
+GATE_KINDS = ("k3", "kimi_linear")
+L2NORM_EPS = 1e-6  # fla l2norm_fwd and the fused recurrent kernel (spec §2.1)
+
+
+@dataclass
+class KDACache:
+    """What a KDA layer carries between calls: the delta-rule state and the three conv tails.
+
+    recurrent: ``[B, H, K, V]`` float32 (float64 in float64 runs); fla's K-first layout.
+    conv_q, conv_k, conv_v: ``[B, H*K, W-1]`` (``[B, H*V, W-1]`` for v), the last ``W-1``
+    projected inputs of each short convolution, oldest first.
+    """
+
+    recurrent: Tensor
+    conv_q: Tensor
+    conv_k: Tensor
+    conv_v: Tensor
+
+
+def kda_gate(z: Tensor, A_log: Tensor, dt_bias: Tensor, kind: str = "k3", lower_bound: float = -5.0) -> Tensor:
+    r"""Per-channel log-decay ``g`` from the forget logits (spec §2.1; spec §13 for the two kinds).
+
+    ``kind="k3"``:          ``g = lower_bound · σ(e^{A_log} (z + dt_bias))``  ∈ (lower_bound, 0)
+    ``kind="kimi_linear"``: ``g = −e^{A_log} · softplus(z + dt_bias)``         ∈ (−∞, 0)
+
+    z: ``[..., H, K]`` raw logits (``f_b_proj(f_a_proj(x))``); A_log: ``[H]``; dt_bias: ``[H*K]``.
+    Computed and returned in float32 (float64 when ``z`` is float64), like fla's ``naive_kda_gate``
+    and ``naive_kda_lowerbound_gate``.
+    """
+    if kind not in GATE_KINDS:
+        raise ValueError(f"kind={kind!r}: allowed values are {GATE_KINDS}")
+    H, K = z.shape[-2:]
+    if A_log.shape != (H,):
+        raise ValueError(f"A_log must be [H] = ({H},), got {tuple(A_log.shape)}")
+    if dt_bias.shape != (H * K,):
+        raise ValueError(f"dt_bias must be [H*K] = ({H * K},), got {tuple(dt_bias.shape)}")
+    dtype = torch.promote_types(z.dtype, torch.float32)
+    z = z.to(dtype) + dt_bias.to(dtype).view(H, K)  # [..., H, K]
+    a = A_log.to(dtype).exp()[:, None]  # e^{A_h} [H, 1]
+    if kind == "k3":
+        if not lower_bound < 0:
+            raise ValueError(f"lower_bound={lower_bound}: must be < 0 (K3: -5.0)")
+        return lower_bound * torch.sigmoid(a * z)  # g ∈ (-5, 0): 16 steps ≥ e^-80, inside bf16
+    return -a * F.softplus(z)
+
+
+def causal_conv1d(x: Tensor, weight: Tensor, conv_state: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    r"""Depthwise causal convolution with a carried tail (the ShortConv of spec §2.1, without its SiLU).
+
+    ``y_t[d] = Σ_{w<W} weight[d, 0, w] · x_{t−W+1+w}[d]``, where inputs before ``x_0`` come from
+    ``conv_state`` (zeros when None).
+
+    x: ``[B, T, D]``; weight: ``[D, 1, W]``; conv_state: ``[B, D, W-1]`` (oldest first) or None.
+    Returns ``(y [B, T, D] in x's dtype, new_state [B, D, W-1])``, where new_state holds the last
+    ``W-1`` inputs seen (from conv_state when ``T < W-1``). The product runs in the promoted dtype of
+    x and weight (float32 for bf16 activations with K3's float32 conv weights).
+    """
+    if x.dim() != 3:
+        raise ValueError(f"x must be [B, T, D], got shape {tuple(x.shape)}")
+    B, T, D = x.shape
+    if weight.dim() != 3 or weight.shape[:2] != (D, 1):
+        raise ValueError(f"weight must be [D, 1, W] with D={D}, got {tuple(weight.shape)}")
+    W = weight.shape[-1]
+    if conv_state is None:
+        conv_state = x.new_zeros(B, D, W - 1)
+    elif conv_state.shape != (B, D, W - 1):
+        raise ValueError(f"conv_state must be [B, D, W-1] = {(B, D, W - 1)}, got {tuple(conv_state.shape)}")
+    xs = torch.cat([conv_state.to(x.dtype), x.transpose(1, 2)], dim=-1)  # [B, D, W-1+T]
+    dtype = torch.promote_types(x.dtype, weight.dtype)
+    taps = weight.to(dtype)[:, 0, :, None]  # [D, W, 1]
+    xs_c = xs.to(dtype)
+    y = sum(taps[:, w] * xs_c[..., w : w + T] for w in range(W))  # [B, D, T]; W taps beat a depthwise conv1d kernel
+    return y.transpose(1, 2).to(x.dtype), xs[..., T:]
+
+
+def l2norm(x: Tensor, eps: float = L2NORM_EPS) -> Tensor:
+    """``x / sqrt(Σ x² + eps)`` over the last dim, in float32 (float64 stays float64), as fla's l2norm."""
+    x = x.to(torch.promote_types(x.dtype, torch.float32))
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def inverse_softplus_dt_bias(n: int, dt_min: float = 1e-3, dt_max: float = 1e-1, dt_floor: float = 1e-4,
+                             generator: torch.Generator | None = None) -> Tensor:
+    """fla's (Mamba2 / GDN / Kimi Linear) ``dt_bias`` init: ``dt ~ exp(U[log dt_min, log dt_max])``
+    clamped at ``dt_floor``, then ``softplus⁻¹(dt) = dt + log(−expm1(−dt))`` (spec §2.1). Returns ``[n]`` float32."""
+    u = torch.rand(n, dtype=torch.float32, generator=generator)
+    dt = torch.exp(u * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min)).clamp(min=dt_floor)
+    return dt + torch.log(-torch.expm1(-dt))
+
+
+class ShortConvolution(nn.Conv1d):
+    """Causal depthwise conv (kernel W, no bias, weight ``[D, 1, W]`` kept in float32) fused with SiLU.
+
+    ``forward(x [B, T, D], conv_state [B, D, W-1] | None) -> (SiLU(conv(x)) [B, T, D], new_state)``.
+    """
+
+    def __init__(self, dim: int, kernel_size: int):
+        super().__init__(dim, dim, kernel_size, groups=dim, bias=False, dtype=torch.float32)
+
+    def forward(self, x: Tensor, conv_state: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        y, new_state = causal_conv1d(x, self.weight, conv_state)
+        return F.silu(y), new_state
+
+
+class KDA(nn.Module):
+    """The K3 KDA token mixer (equations in the module docstring); parameter names as the K3 checkpoint (spec §1.2).
+
+    ``forward(x [B, T, D], cache: KDACache | None) -> (y [B, T, D], KDACache)``. The backend
+    (``cfg.backend`` resolved on x's device): "torch" runs ``kda_chunk`` (``kda_recurrent`` for one
+    token), "fla" runs fla's ``chunk_kda`` (``safe_gate`` for the K3 gate) and ``fused_recurrent_kda``
+    for one-token decoding without autograd, "triton" runs ``k3lab.kernels``.
+    """
+
+    def __init__(self, cfg, layer_idx: int):
+        super().__init__()
+        lac = cfg.linear_attn_config
+        if cfg.kda_gate not in GATE_KINDS:
+            raise ValueError(f"kda_gate={cfg.kda_gate!r}: allowed values are {GATE_KINDS}")
+        if not lac["gate_lower_bound"] < 0:
+            raise ValueError(f"linear_attn_config.gate_lower_bound={lac['gate_lower_bound']}: must be < 0 (K3: -5.0)")
+        self.cfg = cfg
+        self.layer_idx = layer_idx
+        self.gate_kind = cfg.kda_gate
+        self.lower_bound = float(lac["gate_lower_bound"])
+        self.num_heads = H = lac["num_heads"]
+        self.head_k_dim = K = lac["head_dim"]
+        self.head_v_dim = V = lac["head_dim"]  # K3: d_k = d_v = 128
+        self.conv_size = W = lac["short_conv_kernel_size"]
+        self.scale = K ** -0.5
+        D = cfg.hidden_size
+
+        self.q_proj = nn.Linear(D, H * K, bias=False)
+        self.k_proj = nn.Linear(D, H * K, bias=False)
+        self.v_proj = nn.Linear(D, H * V, bias=False)
+        self.q_conv1d = ShortConvolution(H * K, W)
+        self.k_conv1d = ShortConvolution(H * K, W)
+        self.v_conv1d = ShortConvolution(H * V, W)
+        self.f_a_proj = nn.Linear(D, K, bias=False)  # W_α↓, rank = head_dim
+        self.f_b_proj = nn.Linear(K, H * K, bias=False)  # W_α↑
+        self.b_proj = nn.Linear(D, H, bias=False)  # β logits
+        if self.gate_kind == "k3":
+            A_log = torch.zeros(H, dtype=torch.float32)  # K3-TR: A_h = 0 at init
+        else:
+            A_log = torch.empty(H, dtype=torch.float32).uniform_(1, 16).log()  # Kimi Linear: A ~ log U(1, 16)
+        self.A_log = nn.Parameter(A_log)
+        self.dt_bias = nn.Parameter(inverse_softplus_dt_bias(H * K))
+        self.A_log._no_weight_decay = True
+        self.dt_bias._no_weight_decay = True
+        self.g_proj = nn.Linear(D, H * V, bias=False)  # full-rank output gate (K3), not fla's low-rank one
+        self.o_norm = nn.RMSNorm(V, eps=cfg.rms_norm_eps)  # one [V] weight shared by all heads
+        self.o_proj = nn.Linear(H * V, D, bias=False)
+        self.muon_head_splits = {"q_proj": H, "k_proj": H, "v_proj": H}
+
+    def forward(self, x: Tensor, cache: KDACache | None = None) -> tuple[Tensor, KDACache]:
+        if x.dim() != 3 or x.shape[-1] != self.cfg.hidden_size:
+            raise ValueError(f"x must be [B, T, D] with D={self.cfg.hidden_size}, got {tuple(x.shape)}")
+        B, T, _ = x.shape
+        H, K, V = self.num_heads, self.head_k_dim, self.head_v_dim
+        past = (None,) * 4 if cache is None else (cache.recurrent, cache.conv_q, cache.conv_k, cache.conv_v)
+        q, conv_q = self.q_conv1d(self.q_proj(x), past[1])  # [B, T, H*K]
+        k, conv_k = self.k_conv1d(self.k_proj(x), past[2])
+        v, conv_v = self.v_conv1d(self.v_proj(x), past[3])  # [B, T, H*V]
+        q = l2norm(q.view(B, T, H, K))  # [B, T, H, K] float32
+        k = l2norm(k.view(B, T, H, K))
+        v = v.view(B, T, H, V)
+        cdt = q.dtype  # float32 (float64 in float64 runs): gates, β, norm
+        beta = torch.sigmoid(self.b_proj(x).to(cdt))  # [B, T, H]
+        z = self.f_b_proj(self.f_a_proj(x)).view(B, T, H, K)
+        g = kda_gate(z, self.A_log, self.dt_bias, self.gate_kind, self.lower_bound)  # [B, T, H, K]
+        o, state = self._mix(q, k, v, g, beta, past[0])  # [B, T, H, V], [B, H, K, V]
+        o = F.rms_norm(o.to(cdt), (V,), self.o_norm.weight.to(cdt), self.o_norm.eps)
+        o = torch.sigmoid(self.g_proj(x).to(cdt)).view(B, T, H, V) * o
+        y = self.o_proj(o.reshape(B, T, H * V).to(x.dtype))  # [B, T, D]
+        return y, KDACache(state, conv_q, conv_k, conv_v)
+
+    @property
+    def bounded_gate(self) -> bool:
+        """True when every ``g ≥ -5``: the K3 gate with a bound fla's ``safe_gate`` and our kernels accept."""
+        return self.gate_kind == "k3" and self.lower_bound >= -5.0
+
+    def _mix(self, q, k, v, g, beta, initial_state):
+        """Run the delta-rule recurrence on the chosen backend; returns ``(o [B, T, H, V], state [B, H, K, V])``."""
+        backend = resolve_backend(self.cfg.backend, q.device)
+        decode = q.shape[1] == 1
+        if backend == "torch":
+            mix = kda_recurrent if decode else kda_chunk
+            return mix(q, k, v, g, beta, scale=self.scale, initial_state=initial_state, output_final_state=True)
+        dtype = v.dtype  # the kernels take q, k, v, β in the activation dtype; g and the state in float32
+        q, k, beta, g = q.to(dtype), k.to(dtype), beta.to(dtype), g.float()
+        if initial_state is not None:
+            initial_state = initial_state.float()
+        decode = decode and not torch.is_grad_enabled()  # the one-step kernels have no backward
+        if backend == "fla":
+            from fla.ops.kda import chunk_kda, fused_recurrent_kda
+
+            if decode:
+                return fused_recurrent_kda(q, k, v, g, beta, scale=self.scale, initial_state=initial_state,
+                                           output_final_state=True)
+            safe = self.bounded_gate
+            return chunk_kda(q, k, v, g, beta, scale=self.scale, initial_state=initial_state, output_final_state=True,
+                             safe_gate=safe, lower_bound=self.lower_bound if safe else None,
+                             use_gate_in_kernel=False)
+        if not self.bounded_gate:
+            raise ValueError(f"backend='triton' needs K3's bounded gate (kda_gate='k3', gate_lower_bound >= -5), got "
+                             f"kda_gate={self.gate_kind!r}, gate_lower_bound={self.lower_bound}; use backend='fla' or 'torch'")
+        try:
+            from k3lab.kernels import kda_chunk as triton_kda_chunk
+            from k3lab.kernels import kda_decode_step
+        except ImportError as err:
+            raise RuntimeError("backend='triton': k3lab.kernels (kda_chunk, kda_decode_step) cannot be imported "
+                               f"({err}); use backend='torch' or 'fla'") from err
+        if decode:
+            return kda_decode_step(q, k, v, g, beta, initial_state, scale=self.scale)
+        return triton_kda_chunk(q, k, v, g, beta, scale=self.scale, initial_state=initial_state, output_final_state=True)

@@ -1,0 +1,237 @@
+"""Gated Multi-head Latent Attention, K3's global-attention layer (K3 spec §3).
+
+DeepSeek-V2 MLA with NO positional encoding (NoPE) and a full-rank sigmoid output gate::
+
+    c^Q   = RMSNorm(W^DQ x)                                   q_a_proj, q_a_layernorm (eps 1e-6)
+    q^h   = W^UQ,h c^Q = [q^C,h (nope) ; q^R,h (rope)]         q_b_proj [H*(nope+rope), q_lora]
+    [c^KV ; k^R] = W^DKV x,   c^KV <- RMSNorm(c^KV)            kv_a_proj_with_mqa, kv_a_layernorm (eps 1e-6)
+    [k^C,h ; v^h] = W^UKV,h c^KV                               kv_b_proj [H*(nope+v), kv_lora]
+    k^h   = [k^C,h ; k^R]                                      k^R shared by all heads, NOT rotated
+    o^h   = sum_j softmax_j(q^h . k^h_j / sqrt(nope+rope)) v^h_j      causal
+    y     = W^O [ sigmoid(W_g x) * concat_h o^h ]             g_proj (no bias), o_proj
+
+Two exact forms of the same attention:
+
+* **naive** — expand the cached latent into per-head keys and values (training, prefill);
+* **absorbed** — fold ``W^UK`` into the query and ``W^UV`` after the sum, so attention is a
+  single-KV-head MQA over the cached ``[c^KV ; k^R]`` (kv_lora + rope numbers a token; 576 in K3)
+  with 512-wide values (decode)::
+
+      score_hj = (W^UK,hᵀ q^C,h) . c^KV_j + q^R,h . k^R_j,      o^h = W^UV,h sum_j p_hj c^KV_j
+
+The cache (:class:`MLACache`) holds only ``c^KV`` (post-norm) and ``k^R``.
+``mla_use_nope=False`` rotates ``q^R`` and ``k^R`` with RoPE at absolute positions: an
+experiment switch (notebook 05), not K3.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from k3lab.config import ModelConfig
+
+Tensor = torch.Tensor
+
+MLA_LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the RMSNorm class default in the HF code
+ATTN_FORMS = ("auto", "naive", "absorbed")
+ABSORBED_MAX_QUERIES = 16  # "auto": a call with a cache and at most this many new tokens decodes in absorbed form
+MAX_LOGIT_QUERY_CHUNK = 1024  # query rows per matmul when max_logit is computed beside a fused kernel
+
+
+@dataclass
+class MLACache:
+    """One MLA layer's decode cache: the compressed KV of every past token.
+
+    c_kv:   [B, T_past, kv_lora_rank]      post-norm latent (K3: 512)
+    k_rope: [B, T_past, qk_rope_head_dim]  the key part shared by all heads (K3: 64); rotated iff RoPE is on
+    """
+
+    c_kv: Tensor
+    k_rope: Tensor
+
+    @property
+    def offset(self) -> int:
+        """Absolute position of the next token (= number of cached tokens)."""
+        return self.c_kv.shape[1]
+
+    def nbytes(self) -> int:
+        return self.c_kv.numel() * self.c_kv.element_size() + self.k_rope.numel() * self.k_rope.element_size()
+
+
+def rope_rotate(x: Tensor, positions: Tensor, theta: float) -> Tensor:
+    """Rotary position embedding (rotate-half layout) at absolute ``positions`` [T].
+
+    x: [B, T, ..., P] with P even; pairs (x_i, x_{i+P/2}) rotate by angle pos * theta^(-2i/P).
+    """
+    P = x.shape[-1]
+    inv_freq = theta ** (-torch.arange(0, P, 2, device=x.device, dtype=torch.float64) / P)  # [P/2]
+    angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]  # [T, P/2]
+    shape = (1, x.shape[1]) + (1,) * (x.dim() - 3) + (P // 2,)
+    cos = angles.cos().to(x.dtype).view(shape)
+    sin = angles.sin().to(x.dtype).view(shape)
+    x1, x2 = x[..., : P // 2], x[..., P // 2:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def causal_mask(T: int, S: int, offset: int, device) -> Tensor:
+    """[T, S] bool, True where query i (absolute position offset+i) may attend key j (j <= offset+i)."""
+    q_pos = torch.arange(T, device=device)[:, None] + offset
+    return torch.arange(S, device=device)[None, :] <= q_pos
+
+
+def attention_math(q: Tensor, k: Tensor, v: Tensor, scale: float, offset: int) -> tuple[Tensor, Tensor]:
+    """Causal softmax attention in float32 (float64 if q is float64).
+
+    q: [B, H, T, K], k: [B, Hk, S, K], v: [B, Hk, S, V] with Hk = H or 1 (MQA broadcasts).
+    Query i sits at absolute position offset + i; key j at position j.
+    Returns (o [B, H, T, V] float32/64, max logit per head [H]).
+    """
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    scores = torch.matmul(q.to(dtype), k.to(dtype).transpose(-1, -2)) * scale  # [B, H, T, S]
+    mask = causal_mask(q.shape[2], k.shape[2], offset, q.device)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    max_logit = scores.detach().amax(dim=(0, 2, 3))  # [H]
+    return torch.matmul(scores.softmax(dim=-1), v.to(dtype)), max_logit
+
+
+@torch.no_grad()
+def causal_max_logit(q: Tensor, k: Tensor, scale: float) -> Tensor:
+    """max_{b, i, j<=i} q_i . k_j * scale per head [H] (QK-Clip's S_max), in query chunks.
+
+    q: [B, H, T, K], k: [B, H, T, K]. Used beside a fused kernel that does not return its logits.
+    """
+    T = q.shape[2]
+    best = torch.full((q.shape[1],), float("-inf"), device=q.device, dtype=torch.float32)
+    for start in range(0, T, MAX_LOGIT_QUERY_CHUNK):
+        stop = min(T, start + MAX_LOGIT_QUERY_CHUNK)
+        scores = torch.matmul(q[:, :, start:stop].float(), k[:, :, :stop].float().transpose(-1, -2)) * scale
+        scores = scores.masked_fill(~causal_mask(stop - start, stop, start, q.device), float("-inf"))
+        best = torch.maximum(best, scores.amax(dim=(0, 2, 3)))
+    return best
+
+
+class GatedMLA(nn.Module):
+    """K3 Gated MLA layer (K3 spec §3); checkpoint names as K3 spec §1.2.
+
+    forward(x [B, T, D], cache: MLACache | None) -> (y [B, T, D], MLACache of all tokens so far).
+
+    ``attn_form``: "auto" (absorbed for a short step on top of a cache, naive otherwise),
+    "naive" or "absorbed" — the two agree to fp32 rounding.
+    ``max_logit`` [H]: the max pre-softmax logit (scale included) of the last training-mode
+    forward, detached, for QK-Clip; updated when ``self.training and self.track_max_logit``.
+    """
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        D = cfg.hidden_size
+        self.num_heads = H = cfg.num_attention_heads
+        self.q_lora_rank = cfg.q_lora_rank
+        self.kv_lora_rank = cfg.kv_lora_rank
+        self.qk_nope_head_dim = cfg.qk_nope_head_dim
+        self.qk_rope_head_dim = cfg.qk_rope_head_dim
+        self.v_head_dim = cfg.v_head_dim
+        self.qk_head_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+        self.scale = self.qk_head_dim ** -0.5  # 192^-1/2 in K3: the rope part counts even without rotation
+        self.use_rope = not cfg.mla_use_nope
+        self.rope_theta = cfg.rope_theta
+        self.use_output_gate = cfg.mla_use_output_gate
+
+        self.q_a_proj = nn.Linear(D, cfg.q_lora_rank, bias=False)
+        self.q_a_layernorm = nn.RMSNorm(cfg.q_lora_rank, eps=MLA_LATENT_NORM_EPS)
+        self.q_b_proj = nn.Linear(cfg.q_lora_rank, H * self.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(D, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=False)
+        self.kv_a_layernorm = nn.RMSNorm(cfg.kv_lora_rank, eps=MLA_LATENT_NORM_EPS)
+        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, H * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
+        if self.use_output_gate:
+            self.g_proj = nn.Linear(D, H * cfg.v_head_dim, bias=False)
+        self.o_proj = nn.Linear(H * cfg.v_head_dim, D, bias=False)
+
+        self.muon_head_splits = {"q_b_proj": H, "kv_b_proj": H}
+        self.attn_form = "auto"
+        self.track_max_logit = True
+        self.register_buffer("max_logit", torch.zeros(H), persistent=False)
+
+    # ---------------------------------------------------------------------------------------
+    def project(self, x: Tensor, offset: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """x [B, T, D] -> q_nope [B, T, H, nope], q_rope [B, T, H, rope], c_kv [B, T, R], k_rope [B, T, rope]."""
+        B, T, _ = x.shape
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).view(B, T, self.num_heads, self.qk_head_dim)
+        q_nope, q_rope = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        c_kv, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        c_kv = self.kv_a_layernorm(c_kv)
+        if self.use_rope:
+            positions = torch.arange(offset, offset + T, device=x.device)
+            q_rope = rope_rotate(q_rope, positions, self.rope_theta)
+            k_rope = rope_rotate(k_rope, positions, self.rope_theta)
+        return q_nope, q_rope, c_kv, k_rope
+
+    def kv_b_weights(self) -> tuple[Tensor, Tensor]:
+        """kv_b_proj split per head: W_UK [H, nope, R] and W_UV [H, V, R]."""
+        W = self.kv_b_proj.weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
+        return W[:, : self.qk_nope_head_dim], W[:, self.qk_nope_head_dim:]
+
+    def attend_naive(self, q_nope: Tensor, q_rope: Tensor, c_kv: Tensor, k_rope: Tensor, offset: int) -> Tensor:
+        """Per-head keys/values expanded from the latent. Returns o [B, T, H, V] in float32 (float64 in)."""
+        B, S, _ = c_kv.shape
+        H = self.num_heads
+        kv = self.kv_b_proj(c_kv).view(B, S, H, self.qk_nope_head_dim + self.v_head_dim)
+        k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
+        k = torch.cat([k_nope, k_rope[:, :, None, :].expand(B, S, H, self.qk_rope_head_dim)], dim=-1)
+        q = torch.cat([q_nope, q_rope], dim=-1)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T|S, K|V]
+        fused = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and offset == 0 and q.shape[2] == S
+        if fused:
+            # flash refuses qk 192 / v 128; cuDNN runs it (efficient-attention backward is ~10x slower)
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale).float()
+            if self.training and self.track_max_logit:
+                self.max_logit = causal_max_logit(q, k, self.scale)
+        else:
+            o, max_logit = attention_math(q, k, v, self.scale, offset)
+            if self.training and self.track_max_logit:
+                self.max_logit = max_logit.float()
+        return o.transpose(1, 2)
+
+    def attend_absorbed(self, q_nope: Tensor, q_rope: Tensor, c_kv: Tensor, k_rope: Tensor, offset: int) -> Tensor:
+        """MQA over the latent [c_kv ; k_rope] (one KV head). Returns o [B, T, H, V] in float32 (float64 in)."""
+        W_UK, W_UV = self.kv_b_weights()  # [H, nope, R], [H, V, R]
+        dtype = torch.float64 if q_nope.dtype == torch.float64 else torch.float32
+        q_latent = torch.einsum("bthn,hnr->bthr", q_nope.to(dtype), W_UK.to(dtype))  # [B, T, H, R]
+        q = torch.cat([q_latent, q_rope.to(dtype)], dim=-1).transpose(1, 2)  # [B, H, T, R + rope]
+        k = torch.cat([c_kv, k_rope], dim=-1)[:, None]  # [B, 1, S, R + rope]
+        o_latent, max_logit = attention_math(q, k, c_kv[:, None], self.scale, offset)  # [B, H, T, R]
+        if self.training and self.track_max_logit:
+            self.max_logit = max_logit.float()
+        return torch.einsum("bhtr,hvr->bthv", o_latent, W_UV.to(dtype))  # [B, T, H, V]
+
+    def forward(self, x: Tensor, cache: MLACache | None = None) -> tuple[Tensor, MLACache]:
+        if self.attn_form not in ATTN_FORMS:
+            raise ValueError(f"attn_form={self.attn_form!r}: allowed values are {ATTN_FORMS}")
+        B, T, _ = x.shape
+        offset = 0 if cache is None else cache.offset
+        q_nope, q_rope, c_kv, k_rope = self.project(x, offset)
+        if cache is not None:
+            c_kv = torch.cat([cache.c_kv, c_kv], dim=1)  # [B, S, R]
+            k_rope = torch.cat([cache.k_rope, k_rope], dim=1)  # [B, S, rope]
+        absorbed = self.attn_form == "absorbed" or (
+            self.attn_form == "auto" and cache is not None and T <= ABSORBED_MAX_QUERIES)
+        attend = self.attend_absorbed if absorbed else self.attend_naive
+        o = attend(q_nope, q_rope, c_kv, k_rope, offset).flatten(2)  # [B, T, H*V], fp32: K3 keeps it so
+        if self.use_output_gate:
+            o = torch.sigmoid(self.g_proj(x).to(o.dtype)) * o  # G1 gate: elementwise, from the layer input
+        return self.o_proj(o.to(x.dtype)), MLACache(c_kv, k_rope)
+
+    def cache_numbers_per_token(self) -> int:
+        """Numbers cached per token by this layer: kv_lora_rank + qk_rope_head_dim (576 in K3)."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    def extra_repr(self) -> str:
+        pos = "RoPE" if self.use_rope else "NoPE"
+        return f"heads={self.num_heads}, qk={self.qk_nope_head_dim}+{self.qk_rope_head_dim}, v={self.v_head_dim}, {pos}, gate={self.use_output_gate}"

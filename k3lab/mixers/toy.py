@@ -1,0 +1,164 @@
+"""A tiny causal LM whose token mixer is any member of the linear-attention lineage, or softmax
+attention as the ceiling: the test bench of notebook 01 (MQAR, state capacity).
+
+Every model is the same stack; only the mixer op between the projections changes::
+
+    x → Embedding → n_layers × [ x + MixerLayer(RMSNorm(x));  x + MLP(RMSNorm(x)) ] → RMSNorm → head
+
+MixerLayer: ``q, k, v = SiLU(ShortConv(W x))`` (depthwise causal conv, kernel 4, as in KDA §2.1),
+then the mixer, a head-wise RMSNorm and ``o_proj``. Per mixer:
+
+=================  =========================================================================
+``linear``         raw q, k (scale ``K^-1/2``), no decay
+``retnet``         raw q, k, fixed decay ``γ_h = 1 − 2^{−5−h}`` (RetNet's schedule)
+``mamba2``         raw q, k, ``g = −exp(A_log)·softplus(a_proj(x) + dt_bias)`` per head
+``deltanet``       L2-normalised q, k; ``β = σ(b_proj(x))``
+``gated_deltanet`` deltanet + mamba2's gate
+``kda``            deltanet + per-channel K3 gate ``g = −5·σ(exp(A_log)·(f_b(f_a(x)) + dt_bias))``
+``softmax``        SDPA, causal (no positional encoding, like K3's NoPE MLA)
+=================  =========================================================================
+
+Labels are pre-aligned (``loss = CE(logits[:, t], labels[:, t])``, ignore_index -100).
+"""
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from k3lab.mixers import chunk
+from k3lab.outputs import CausalLMOutput
+
+MIXER_NAMES = ("linear", "retnet", "mamba2", "deltanet", "gated_deltanet", "kda", "softmax")
+DELTA_MIXERS = ("deltanet", "gated_deltanet", "kda")
+KDA_GATE_LOWER_BOUND = -5.0  # K3 spec §2.1: g ∈ (−5, 0)
+
+
+def inverse_softplus_dt_bias(n: int, dt_min: float = 1e-3, dt_max: float = 1e-1) -> torch.Tensor:
+    """Mamba2/GDN/KDA gate bias init (spec §2.1): ``dt ~ exp(U[log dt_min, log dt_max])``, ``softplus⁻¹(dt)``."""
+    dt = torch.exp(torch.rand(n) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min)).clamp(min=1e-4)
+    return dt + torch.log(-torch.expm1(-dt))
+
+
+class ToyMixer(nn.Module):
+    """One token-mixing layer: projections + short convs, the chosen mixer, head-wise RMSNorm, ``o_proj``."""
+
+    def __init__(self, d_model: int, num_heads: int, mixer: str, head_dim: int | None = None,
+                 conv_size: int = 4, chunk_size: int = 64):
+        super().__init__()
+        if mixer not in MIXER_NAMES:
+            raise ValueError(f"mixer must be one of {MIXER_NAMES}, got {mixer!r}")
+        head_dim = head_dim or d_model // num_heads
+        if head_dim < 1:
+            raise ValueError(f"head_dim must be >= 1 (d_model={d_model}, num_heads={num_heads})")
+        self.mixer, self.num_heads, self.head_dim, self.chunk_size = mixer, num_heads, head_dim, chunk_size
+        H, K = num_heads, head_dim
+        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(d_model, H * K, bias=False) for _ in range(3))
+        self.convs = nn.ModuleList(
+            nn.Conv1d(H * K, H * K, conv_size, groups=H * K, padding=conv_size - 1, bias=False) for _ in range(3)
+        )
+        if mixer in DELTA_MIXERS:
+            self.b_proj = nn.Linear(d_model, H, bias=False)
+        if mixer == "retnet":
+            self.register_buffer("gamma", 1 - 2.0 ** (-5.0 - torch.arange(H, dtype=torch.float32)))
+        if mixer in ("mamba2", "gated_deltanet"):
+            self.a_proj = nn.Linear(d_model, H, bias=False)
+            self.A_log = nn.Parameter(torch.log(torch.empty(H).uniform_(1, 16)))
+            self.dt_bias = nn.Parameter(inverse_softplus_dt_bias(H))
+        if mixer == "kda":
+            self.f_a_proj = nn.Linear(d_model, K, bias=False)
+            self.f_b_proj = nn.Linear(K, H * K, bias=False)
+            self.A_log = nn.Parameter(torch.zeros(H))
+            self.dt_bias = nn.Parameter(inverse_softplus_dt_bias(H * K))
+        self.o_norm = nn.RMSNorm(K)
+        self.o_proj = nn.Linear(H * K, d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        H, K = self.num_heads, self.head_dim
+        q, k, v = (
+            F.silu(conv(proj(x).transpose(1, 2))[..., :T]).transpose(1, 2).reshape(B, T, H, K)  # causal: drop the tail
+            for proj, conv in zip((self.q_proj, self.k_proj, self.v_proj), self.convs)
+        )
+        if self.mixer in DELTA_MIXERS:
+            q, k = F.normalize(q, dim=-1, eps=1e-6), F.normalize(k, dim=-1, eps=1e-6)
+            beta = torch.sigmoid(self.b_proj(x))  # [B, T, H]
+        if self.mixer in ("mamba2", "gated_deltanet"):
+            g = -torch.exp(self.A_log) * F.softplus(self.a_proj(x) + self.dt_bias)  # [B, T, H]
+        C = self.chunk_size
+        match self.mixer:
+            case "softmax":
+                o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                   is_causal=True).transpose(1, 2)
+            case "linear":
+                o, _ = chunk.linear_attention_chunk(q, k, v, output_final_state=False, chunk_size=C)
+            case "retnet":
+                o, _ = chunk.retnet_chunk(q, k, v, self.gamma, output_final_state=False, chunk_size=C)
+            case "mamba2":
+                o, _ = chunk.mamba2_chunk(q, k, v, g, output_final_state=False, chunk_size=C)
+            case "deltanet":
+                o, _ = chunk.deltanet_chunk(q, k, v, beta, output_final_state=False, chunk_size=C)
+            case "gated_deltanet":
+                o, _ = chunk.gated_deltanet_chunk(q, k, v, g, beta, output_final_state=False, chunk_size=C)
+            case "kda":
+                z = self.f_b_proj(self.f_a_proj(x)).reshape(B, T, H, K) + self.dt_bias.reshape(H, K)
+                g = KDA_GATE_LOWER_BOUND * torch.sigmoid(torch.exp(self.A_log)[:, None] * z)  # [B, T, H, K]
+                o, _ = chunk.kda_chunk(q, k, v, g, beta, output_final_state=False, chunk_size=C)
+        return self.o_proj(self.o_norm(o).reshape(B, T, H * K))
+
+
+class ToyBlock(nn.Module):
+    """Pre-norm block: ``x + mixer(norm(x))``, then ``x + MLP(norm(x))`` (GELU MLP)."""
+
+    def __init__(self, d_model: int, num_heads: int, mixer: str, mlp_ratio: int, **mixer_kw):
+        super().__init__()
+        self.mixer_norm, self.mlp_norm = nn.RMSNorm(d_model), nn.RMSNorm(d_model)
+        self.mixer = ToyMixer(d_model, num_heads, mixer, **mixer_kw)
+        self.mlp = nn.Sequential(nn.Linear(d_model, mlp_ratio * d_model), nn.GELU(),
+                                 nn.Linear(mlp_ratio * d_model, d_model))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.mixer(self.mixer_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class MixerLM(nn.Module):
+    """Tiny causal LM with a lineage mixer (see module docstring); ``model(input_ids, labels=None)``.
+
+    Args: vocab_size, d_model (D), n_layers, mixer (one of ``MIXER_NAMES``), num_heads,
+    head_dim (default ``D // num_heads``), mlp_ratio (MLP width / D), conv_size (short conv kernel),
+    chunk_size (of the chunkwise mixer forms).
+    """
+
+    def __init__(self, vocab_size: int, d_model: int, n_layers: int, mixer: str, num_heads: int,
+                 head_dim: int | None = None, mlp_ratio: int = 2, conv_size: int = 4, chunk_size: int = 64):
+        super().__init__()
+        if n_layers < 1:
+            raise ValueError(f"n_layers must be >= 1, got {n_layers}")
+        self.mixer_name = mixer
+        self.embed = nn.Embedding(vocab_size, d_model)
+        self.blocks = nn.ModuleList(
+            ToyBlock(d_model, num_heads, mixer, mlp_ratio, head_dim=head_dim, conv_size=conv_size,
+                     chunk_size=chunk_size)
+            for _ in range(n_layers)
+        )
+        self.norm = nn.RMSNorm(d_model)
+        self.lm_head = nn.Linear(d_model, vocab_size, bias=False)
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, std=0.02)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, cache=None) -> CausalLMOutput:
+        if cache is not None:
+            raise ValueError("MixerLM runs full sequences only: cache must be None")
+        x = self.embed(input_ids)  # [B, T, D]
+        for block in self.blocks:
+            x = block(x)
+        logits = self.lm_head(self.norm(x))  # [B, T, vocab]
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
+        return CausalLMOutput(loss=loss, logits=logits)

@@ -1,0 +1,226 @@
+"""Stable LatentMoE (K3 spec §5) and the standard MoE it is compared with.
+
+For each token x [D] (N = B·T tokens, E experts, top-k, latent width L, expert width I)::
+
+    s, T, p = router(x)                         sigmoid on the full width, top-k on s + b, p from raw s
+    z = W↓ x                                    routed_expert_down_proj [L, D], shared by all experts
+    u = Σ_{j∈T} p_j · E_j(z)                     E_j: SiTU-GLU expert L → I → L (bf16 output × fp32 weight)
+    y = shared_experts(x) + W↑ RMSNorm(u)       routed_expert_norm [L], routed_expert_up_proj [D, L]
+
+``cfg.mlp_kind == "moe"`` is the standard MoE at the same code path: experts at the full width
+(L = D) and no W↓, RMSNorm or W↑. Latent experts halve the bytes each dispatched token slot carries
+(L = D/2), so at equal dispatch bytes a LatentMoE can route 2× the top-k over 2× the experts.
+
+Three separable pieces, so that expert parallelism replaces only the middle one:
+
+1. routing: :class:`~k3lab.moe.router.SigmoidRouter` → RouterOutput (scores, top-k, weights, cutoff);
+2. dispatch/combine: :class:`LocalDispatcher` sorts the N·k token slots by expert into contiguous groups
+   and puts them back (an EP all-to-all would do the same across ranks);
+3. expert compute: :class:`RoutedExperts` on the sorted slots, with a reference loop over experts and a
+   grouped-GEMM path (``torch.nn.functional.grouped_mm``, CUDA + bf16) that agree.
+
+Checkpoint names: experts are stacked ``experts.w1 [E, I, L]`` (gate), ``experts.w3 [E, I, L]`` (up),
+``experts.w2 [E, L, I]`` (down); :func:`split_expert_weights` / :func:`merge_expert_weights` convert to
+and from the HF per-expert names ``experts.{e}.w1.weight``.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from k3lab.moe.router import SigmoidRouter, make_balancer
+from k3lab.moe.situ import ACTIVATIONS, SiTUMLP, glu_activation
+
+EXPERT_IMPLS = ("auto", "reference", "grouped")
+
+
+# ----------------------------------------------------------------------------------------------
+# dispatch / combine
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class DispatchPlan:
+    """Where each token slot went. N tokens, k slots each, E experts."""
+
+    order: Tensor    # [N·k] int64 slot ids (slot = token·k + j) sorted by expert, stable
+    counts: Tensor   # [E] int64 slots per expert (group sizes of the sorted slots)
+    num_tokens: int  # N
+    top_k: int       # k
+
+
+class LocalDispatcher:
+    """Single-device dispatch/combine: a stable sort of the N·k slots by expert, and its inverse."""
+
+    def dispatch(self, x: Tensor, topk_idx: Tensor, num_experts: int) -> tuple[Tensor, DispatchPlan]:
+        """x [N, L], topk_idx [N, k] -> (x_sorted [N·k, L] grouped by expert, plan)."""
+        N, k = topk_idx.shape
+        flat = topk_idx.reshape(-1)                                   # [N·k]
+        order = flat.argsort(stable=True)                             # [N·k]
+        counts = torch.bincount(flat, minlength=num_experts)          # [E]
+        return x.index_select(0, order // k), DispatchPlan(order, counts, N, k)
+
+    def combine(self, y_sorted: Tensor, plan: DispatchPlan, topk_weight: Tensor) -> Tensor:
+        """y_sorted [N·k, L] (expert outputs), topk_weight [N, k] fp32 -> u [N, L] fp32 = Σ_j p_j·y_j."""
+        y = torch.zeros_like(y_sorted).index_copy(0, plan.order, y_sorted)         # [N·k, L] slot order
+        y = y.view(plan.num_tokens, plan.top_k, -1)                                 # [N, k, L]
+        return (y * topk_weight[..., None].float()).sum(1)                          # bf16 × fp32 -> fp32
+
+
+# ----------------------------------------------------------------------------------------------
+# expert compute
+# ----------------------------------------------------------------------------------------------
+def grouped_mm_available(x: Tensor) -> bool:
+    """True where the grouped-GEMM path runs forward and backward: CUDA, bf16, torch with grouped_mm."""
+    return x.is_cuda and x.dtype == torch.bfloat16 and hasattr(F, "grouped_mm")
+
+
+class RoutedExperts(nn.Module):
+    """E gated experts stacked along dim 0: ``w1, w3 [E, I, L]``, ``w2 [E, L, I]`` (no biases).
+
+    forward(x_sorted [S, L], counts [E]) -> [S, L]: rows ``[offs_{e-1}, offs_e)`` go through expert e,
+    ``E_e(z) = w2_e · act(w1_e z, w3_e z)``.
+    """
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, act: str = "situ", beta: float = 4.0,
+                 linear_beta: float = 25.0, init_std: float = 0.02, impl: str = "auto"):
+        super().__init__()
+        if act not in ACTIVATIONS:
+            raise ValueError(f"act={act!r}: allowed values are {ACTIVATIONS}")
+        if impl not in EXPERT_IMPLS:
+            raise ValueError(f"impl={impl!r}: allowed values are {EXPERT_IMPLS}")
+        self.act, self.beta, self.linear_beta, self.impl = act, beta, linear_beta, impl
+        E, L, I = num_experts, hidden, intermediate
+        self.w1 = nn.Parameter(torch.randn(E, I, L) * init_std)
+        self.w3 = nn.Parameter(torch.randn(E, I, L) * init_std)
+        self.w2 = nn.Parameter(torch.randn(E, L, I) * init_std)
+
+    def forward(self, x: Tensor, counts: Tensor) -> Tensor:
+        impl = self.impl
+        if impl == "auto":
+            impl = "grouped" if grouped_mm_available(x) else "reference"
+        return self.forward_grouped(x, counts) if impl == "grouped" else self.forward_reference(x, counts)
+
+    def _act(self, gate: Tensor, up: Tensor) -> Tensor:
+        return glu_activation(gate, up, self.act, self.beta, self.linear_beta)
+
+    def forward_reference(self, x: Tensor, counts: Tensor) -> Tensor:
+        """Plain loop over experts (one host sync for the group sizes)."""
+        outs = []
+        for e, xe in enumerate(x.split(counts.tolist())):                           # xe [S_e, L]
+            h = self._act(xe @ self.w1[e].T, xe @ self.w3[e].T)                     # [S_e, I]
+            outs.append(h @ self.w2[e].T)                                           # [S_e, L]
+        return torch.cat(outs)
+
+    def forward_grouped(self, x: Tensor, counts: Tensor) -> Tensor:
+        """One ``F.grouped_mm`` per projection over the jagged groups (offsets = cumulative counts)."""
+        offs = counts.cumsum(0).to(torch.int32)                                     # [E] group ends
+        w1, w3, w2 = (w.to(x.dtype) for w in (self.w1, self.w3, self.w2))
+        h = self._act(F.grouped_mm(x, w1.transpose(-2, -1), offs=offs),
+                      F.grouped_mm(x, w3.transpose(-2, -1), offs=offs))             # [S, I]
+        return F.grouped_mm(h, w2.transpose(-2, -1), offs=offs)                     # [S, L]
+
+
+# ----------------------------------------------------------------------------------------------
+# LatentMoE
+# ----------------------------------------------------------------------------------------------
+class LatentMoE(nn.Module):
+    """K3's Stable LatentMoE (``cfg.mlp_kind == "latent_moe"``) or a standard MoE (``"moe"``).
+
+    forward(x [B, T, D]) -> y [B, T, D]. Sets ``self.aux_loss`` (scalar or None) every forward;
+    the balancer (``cfg.balancer``) observes routing in training mode and moves the router bias in
+    ``after_optimizer_step()``.
+    """
+
+    def __init__(self, cfg, expert_impl: str = "auto"):
+        super().__init__()
+        if cfg.mlp_kind not in ("latent_moe", "moe"):
+            raise ValueError(f"mlp_kind={cfg.mlp_kind!r}: LatentMoE builds 'latent_moe' or 'moe'")
+        D, E, I = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size
+        self.latent = cfg.mlp_kind == "latent_moe"
+        L = cfg.routed_expert_hidden_size if self.latent else D
+        self.num_experts, self.top_k, self.eps = E, cfg.num_experts_per_tok, cfg.rms_norm_eps
+        act = dict(beta=cfg.activation_situ_beta, linear_beta=cfg.activation_situ_linear_beta, act=cfg.hidden_act)
+
+        self.gate = SigmoidRouter(D, E, self.top_k, cfg.routed_scaling_factor, cfg.moe_renormalize,
+                                  init_std=cfg.initializer_range)
+        if self.latent:
+            self.routed_expert_down_proj = nn.Linear(D, L, bias=False)              # W↓ [L, D]
+            self.routed_expert_norm = nn.RMSNorm(L, eps=cfg.rms_norm_eps) if cfg.latent_moe_use_norm else None
+            self.routed_expert_up_proj = nn.Linear(L, D, bias=False)                # W↑ [D, L]
+        self.experts = RoutedExperts(E, L, I, init_std=cfg.initializer_range, impl=expert_impl, **act)
+        self.shared_experts = SiTUMLP(D, cfg.n_shared_experts * I, **act) if cfg.n_shared_experts > 0 else None
+        self.dispatcher = LocalDispatcher()
+        self.balancer = make_balancer(cfg.balancer, self.gate, num_bins=cfg.qb_num_bins,
+                                      aux_loss_coef=cfg.aux_loss_coef)
+        self.aux_loss: Tensor | None = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, T, D = x.shape
+        h = x.reshape(B * T, D)                                                     # [N, D]
+        route = self.gate(h)
+        self.aux_loss = self.balancer.observe(route) if self.training else None
+        z = self.routed_expert_down_proj(h) if self.latent else h                   # [N, L]
+        z_sorted, plan = self.dispatcher.dispatch(z, route.topk_idx, self.num_experts)
+        y_sorted = self.experts(z_sorted, plan.counts)                              # [N·k, L]
+        u = self.dispatcher.combine(y_sorted, plan, route.topk_weight)             # [N, L] fp32
+        if self.latent:
+            if self.routed_expert_norm is not None:
+                u = F.rms_norm(u, (u.shape[-1],), self.routed_expert_norm.weight.float(), self.eps)
+            u = self.routed_expert_up_proj(u.to(x.dtype))                          # [N, D]
+        y = u.to(x.dtype)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(h)
+        return y.view(B, T, D)
+
+    def after_optimizer_step(self) -> None:
+        """Move the router bias from this step's statistics (used from the next step on)."""
+        self.balancer.update()
+
+    def hf_expert_state_dict(self) -> dict[str, Tensor]:
+        """This module's state dict with the experts under HF per-expert names ``experts.{e}.w1.weight``."""
+        return split_expert_weights(self.state_dict())
+
+    def load_hf_expert_state_dict(self, state_dict: dict[str, Tensor], strict: bool = True):
+        """Load a state dict with HF per-expert names (inverse of :meth:`hf_expert_state_dict`)."""
+        return self.load_state_dict(merge_expert_weights(state_dict), strict=strict)
+
+
+# ----------------------------------------------------------------------------------------------
+# checkpoint names
+# ----------------------------------------------------------------------------------------------
+_STACKED_KEY = re.compile(r"^(.*?)(experts)\.(w[123])$")
+_PER_EXPERT_KEY = re.compile(r"^(.*?)(experts)\.(\d+)\.(w[123])\.weight$")
+
+
+def split_expert_weights(state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
+    """``...experts.w1 [E, I, L]`` -> ``...experts.{e}.w1.weight [I, L]`` for e < E; other keys unchanged."""
+    out = {}
+    for key, value in state_dict.items():
+        m = _STACKED_KEY.match(key)
+        if m is None:
+            out[key] = value
+            continue
+        prefix, experts, w = m.groups()
+        for e in range(value.shape[0]):
+            out[f"{prefix}{experts}.{e}.{w}.weight"] = value[e]
+    return out
+
+
+def merge_expert_weights(state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Inverse of :func:`split_expert_weights`: stack ``...experts.{e}.wN.weight`` into ``...experts.wN``."""
+    out, groups = {}, {}
+    for key, value in state_dict.items():
+        m = _PER_EXPERT_KEY.match(key)
+        if m is None:
+            out[key] = value
+            continue
+        prefix, experts, e, w = m.groups()
+        groups.setdefault(f"{prefix}{experts}.{w}", {})[int(e)] = value
+    for key, by_expert in groups.items():
+        if sorted(by_expert) != list(range(len(by_expert))):
+            raise ValueError(f"merge_expert_weights: {key} has experts {sorted(by_expert)}, expected 0..{len(by_expert) - 1}")
+        out[key] = torch.stack([by_expert[e] for e in range(len(by_expert))])
+    return out

@@ -1,0 +1,295 @@
+"""Sigmoid router with a balancing bias, and the balancers that maintain the bias (K3 spec §5, §7).
+
+Routing (K3 spec §5, Eq. moe-routing), per token i over E experts::
+
+    s_i  = σ(W_r x_i)                           fp32, on the full-width x
+    T_i  = argtop_k(s_i + b)                    b = e_score_correction_bias, no gradient
+    p_ij = s_ij / Σ_{r∈T_i} s_ir · scale        raw scores: the bias only selects, it never weighs
+
+The router also returns the cutoff ``α_i`` = the (k+1)-th largest *biased* score, which Quantile
+Balancing needs.
+
+Balancers share one interface:
+
+* ``observe(route) -> aux_loss | None`` during the step (once per micro-batch, in training only);
+* ``update()`` after the optimizer step: all-reduce ``stats()`` through the ``all_reduce`` hook
+  (``None`` = single process; e.g. ``torch.distributed.all_reduce`` in a distributed run), then move
+  the bias, which the *next* step uses;
+* ``metrics()``: per-expert load of the last completed step and its max violation
+  ``max_j load_j/target − 1``, target = (tokens·k)/E.
+
+Quantile Balancing (K3 spec §7), m tokens in the step, target load q = mk/E::
+
+    b̂_j = quantile_{k/E}( r_{:,j} ),  r_ij = α_i − s_ij    (the "required bias": j enters T_i iff b_j > r_ij)
+    b   = b̂ − mean(b̂)
+
+It is the exact coordinate minimiser over β = −b of the dual of the balanced-assignment LP
+``L(α, β) = Σ_ij max(0, s_ij − α_i − β_j) + kΣα_i + qΣβ_j``; the loss-free update
+``b_j += γ·sign(mean load − load_j)`` is a SignSGD step on the same dual
+(∂L/∂β_j = q − load_j).
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+@dataclass
+class RouterOutput:
+    """What the router hands to dispatch and to the balancer. N tokens, E experts, top-k."""
+
+    scores: Tensor        # [N, E] fp32 σ(W_r x), carries the router's gradient
+    topk_idx: Tensor      # [N, k] int64 chosen experts (by biased score, descending)
+    topk_weight: Tensor   # [N, k] fp32 renormalised raw scores × routed_scaling_factor
+    cutoff: Tensor        # [N] fp32 (k+1)-th largest biased score α_i (−inf when k = E), no gradient
+
+
+class SigmoidRouter(nn.Module):
+    """``weight [E, D]`` and ``e_score_correction_bias [E]`` (fp32, ``requires_grad=False``).
+
+    forward(x [N, D]) -> RouterOutput.
+    """
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, routed_scaling_factor: float = 1.0,
+                 renormalize: bool = True, init_std: float = 0.02):
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k={top_k}: must be in [1, num_experts={num_experts}]")
+        self.num_experts, self.top_k = num_experts, top_k
+        self.routed_scaling_factor, self.renormalize = routed_scaling_factor, renormalize
+        self.weight = nn.Parameter(torch.randn(num_experts, hidden_size) * init_std)
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts), requires_grad=False)
+
+    def _apply(self, fn, recurse=True):
+        # the bias stays fp32 under model.to(bf16): its QB/loss-free steps (~1e-3) would vanish in bf16
+        super()._apply(fn, recurse)
+        self.e_score_correction_bias.data = self.e_score_correction_bias.data.float()
+        return self
+
+    def forward(self, x: Tensor) -> RouterOutput:
+        scores = torch.sigmoid(F.linear(x.float(), self.weight.float()))  # [N, E]
+        return route_scores(scores, self.e_score_correction_bias, self.top_k, self.routed_scaling_factor,
+                            self.renormalize)
+
+
+def route_scores(scores: Tensor, bias: Tensor, top_k: int, routed_scaling_factor: float = 1.0,
+                 renormalize: bool = True) -> RouterOutput:
+    """Top-k of ``scores + bias`` (bias detached), weights from the raw scores, cutoff α = (k+1)-th biased score.
+
+    scores: [N, E] fp32 in (0, 1); bias: [E]. Split out of the router so synthetic score matrices
+    (notebook 08, tests) route exactly as the model does.
+    """
+    N, E = scores.shape
+    biased = scores.detach() + bias.detach().float()                  # [N, E]
+    top_vals, top_idx = biased.topk(min(top_k + 1, E), dim=-1)        # [N, k(+1)]
+    cutoff = top_vals[:, top_k] if top_k < E else torch.full((N,), -math.inf, device=scores.device)
+    topk_idx = top_idx[:, :top_k]                                     # [N, k]
+    weight = scores.gather(1, topk_idx)                               # [N, k] raw scores, with grad
+    if renormalize:
+        weight = weight / weight.sum(-1, keepdim=True)
+    return RouterOutput(scores, topk_idx, weight * routed_scaling_factor, cutoff)
+
+
+def expert_load(topk_idx: Tensor, num_experts: int) -> Tensor:
+    """Token slots per expert: topk_idx [N, k] -> [E] int64."""
+    return torch.bincount(topk_idx.reshape(-1), minlength=num_experts)
+
+
+def max_violation(load: Tensor, top_k: int) -> float:
+    """``max_j load_j/target − 1`` with target = Σ load / E = N·k/E (0 = perfectly balanced)."""
+    target = load.sum().item() / load.numel()
+    return float(load.max().item() / target - 1.0) if target > 0 else 0.0
+
+
+class Balancer:
+    """Base balancer: counts per-expert load; ``update()`` leaves the bias alone ("none").
+
+    ``bias`` is the router's ``e_score_correction_bias`` Parameter (or any [E] tensor), updated in
+    place under ``no_grad``; holding the Parameter (not its ``.data``) survives ``model.to(device)``.
+    """
+
+    def __init__(self, bias: Tensor, top_k: int):
+        self.bias, self.top_k = bias, top_k
+        self.num_experts = bias.numel()
+        self.load = torch.zeros(self.num_experts, dtype=torch.int64, device=bias.device)  # this step, [E]
+        self.last_load = self.load.clone()                                                # last completed step
+        self.all_reduce: Callable[[Tensor], None] | None = None
+
+    def _follow_device(self) -> None:
+        """Keep the statistics on the bias's device (the model may have been moved after construction)."""
+        for name, value in vars(self).items():
+            if isinstance(value, Tensor) and value is not self.bias and value.device != self.bias.device:
+                setattr(self, name, value.to(self.bias.device))
+
+    def observe(self, route: RouterOutput) -> Tensor | None:
+        """Accumulate the step's statistics from one micro-batch; return an auxiliary loss or None."""
+        self._follow_device()
+        self.load += expert_load(route.topk_idx, self.num_experts)
+        return None
+
+    def stats(self) -> list[Tensor]:
+        """The tensors a distributed run sums over ranks before ``update()`` moves the bias."""
+        return [self.load]
+
+    def _reduce(self) -> None:
+        if self.all_reduce is not None:
+            for t in self.stats():
+                self.all_reduce(t)
+
+    @torch.no_grad()
+    def update(self) -> None:
+        """All-reduce the statistics, move the bias (subclasses), reset the step's statistics."""
+        self._reduce()
+        self._move_bias()
+        self.last_load = self.load.clone()
+        self.load.zero_()
+
+    def _move_bias(self) -> None:
+        """Balancer-specific bias update; the base class keeps the bias fixed."""
+
+    def metrics(self) -> dict:
+        """``{"load": [E] int64, "max_violation": float}`` of the last completed step."""
+        return {"load": self.last_load, "max_violation": max_violation(self.last_load, self.top_k)}
+
+
+class AuxLossBalancer(Balancer):
+    """Switch-style auxiliary loss, bias untouched: ``L = coef · E · Σ_j f_j · P_j``.
+
+    f_j = slots routed to j / (N·k) (no gradient), P_j = mean_i s_ij / Σ_l s_il (gradient into W_r).
+    Equals ``coef`` at perfect balance.
+    """
+
+    def __init__(self, bias: Tensor, top_k: int, coef: float = 1e-2):
+        super().__init__(bias, top_k)
+        self.coef = coef
+
+    def observe(self, route: RouterOutput) -> Tensor:
+        super().observe(route)
+        N, E = route.scores.shape
+        f = expert_load(route.topk_idx, E).float() / (N * self.top_k)              # [E]
+        P = (route.scores / route.scores.sum(-1, keepdim=True)).mean(0)           # [E]
+        return self.coef * E * (f * P).sum()
+
+
+class LossFreeBalancer(Balancer):
+    """DeepSeek's auxiliary-loss-free update ``b_j += γ·sign(mean load − load_j)`` (γ = 1e-3)."""
+
+    def __init__(self, bias: Tensor, top_k: int, gamma: float = 1e-3):
+        super().__init__(bias, top_k)
+        self.gamma = gamma
+
+    def _move_bias(self) -> None:
+        load = self.load.float()
+        self.bias.add_((self.gamma * torch.sign(load.mean() - load)).to(self.bias.dtype))
+
+
+class QuantileBalancer(Balancer):
+    """Quantile Balancing (K3 spec §7): ``b ← b̂ − mean(b̂)``, ``b̂_j = quantile_{k/E}(α_i − s_ij over i)``.
+
+    exact=True keeps every margin ``r = α − s`` of the step ([m, E] fp32) and takes the linear-interpolated
+    (k/E)-quantile per expert (single-process reference: the margins would need an all-gather).
+
+    exact=False is the histogram estimator K3 runs: with the step's old bias fixed, ``r`` lies in
+    ``(b_min − 1, b_max + 1)`` (s ∈ (0,1), α ∈ (b_min, 1 + b_max)); ``r`` is binned into ``num_bins``
+    uniform bins of width ``w = (b_max − b_min + 2)/B``, counts accumulate over micro-batches in an
+    integer ``[E, B]`` tensor (the only thing to all-reduce). At update, with q = m·k/E, take per expert
+    the first bin β_j whose cumulative count reaches ⌈q⌉, c_j = count before it, h_j = count inside::
+
+        b̂_j = b_min − 1 + (β_j + clip((q − c_j)/h_j, 0, 1))·w
+
+    Error ≤ one bin width, and the result is exactly invariant to how the tokens were sharded.
+    """
+
+    def __init__(self, bias: Tensor, top_k: int, exact: bool = False, num_bins: int = 1000):
+        super().__init__(bias, top_k)
+        if top_k >= self.num_experts:
+            raise ValueError(f"QuantileBalancer: top_k={top_k} must be < num_experts={self.num_experts} "
+                             "(with k = E there is nothing to balance)")
+        if num_bins < 1:
+            raise ValueError(f"QuantileBalancer: num_bins={num_bins} must be >= 1")
+        self.exact, self.num_bins = exact, num_bins
+        self.margins: list[Tensor] = []
+        self.counts = torch.zeros(self.num_experts, num_bins, dtype=torch.int64, device=bias.device)  # [E, B]
+
+    def bin_range(self) -> tuple[float, float]:
+        """``(lo, w)``: left edge ``b_min − 1`` and bin width ``(b_max − b_min + 2)/B`` for the current bias."""
+        b = self.bias.detach().float()
+        lo, hi = b.min().item() - 1.0, b.max().item() + 1.0
+        return lo, (hi - lo) / self.num_bins
+
+    def observe(self, route: RouterOutput) -> None:
+        super().observe(route)
+        r = route.cutoff.detach()[:, None] - route.scores.detach()             # [N, E] required bias
+        if self.exact:
+            self.margins.append(r)
+            return None
+        lo, w = self.bin_range()
+        bins = ((r - lo) / w).floor().clamp_(0, self.num_bins - 1).long()      # [N, E]
+        self.counts.scatter_add_(1, bins.T.contiguous(), torch.ones_like(bins.T))
+        return None
+
+    def stats(self) -> list[Tensor]:
+        return [self.load] if self.exact else [self.load, self.counts]
+
+    def _move_bias(self) -> None:
+        b_hat = self.exact_quantile() if self.exact else self.histogram_quantile()
+        if b_hat is None:
+            return
+        self.bias.copy_((b_hat - b_hat.mean()).to(self.bias.dtype))
+        self.margins.clear()
+        self.counts.zero_()
+
+    def exact_quantile(self) -> Tensor | None:
+        """Per-expert (k/E)-quantile of the step's margins, linear interpolation (numpy's default). [E]."""
+        if not self.margins:
+            return None
+        r = torch.cat(self.margins)                                            # [m, E]
+        return sorted_quantile(r, self.top_k / self.num_experts)
+
+    def histogram_quantile(self) -> Tensor | None:
+        """Per-expert (k/E)-quantile read off the ``[E, B]`` counts (see the class docstring). [E]."""
+        m = self.counts[0].sum().item()                                         # every token adds one r per expert
+        if m == 0:
+            return None
+        q = m * self.top_k / self.num_experts
+        lo, w = self.bin_range()
+        cum = self.counts.cumsum(1)                                             # [E, B]
+        first = (cum < math.ceil(q)).sum(1)                                     # [E] first bin with cum >= ⌈q⌉
+        h = self.counts.gather(1, first[:, None])[:, 0].double()                # [E] inside the bin
+        c = cum.gather(1, first[:, None])[:, 0].double() - h                    # [E] before the bin
+        frac = ((q - c) / h.clamp_min(1)).clamp(0, 1)
+        return (lo + (first.double() + frac) * w).float()
+
+
+def sorted_quantile(r: Tensor, p: float) -> Tensor:
+    """Linear-interpolated p-quantile along dim 0 (numpy's default; no torch.quantile size limit). [m, E] -> [E]."""
+    s = r.sort(dim=0).values                                                    # [m, E]
+    pos = (r.shape[0] - 1) * p
+    i = int(math.floor(pos))
+    j = min(i + 1, r.shape[0] - 1)
+    return s[i] + (pos - i) * (s[j] - s[i])
+
+
+BALANCERS = ("quantile_hist", "quantile_exact", "loss_free", "aux_loss", "none")
+
+
+def make_balancer(kind: str, router: SigmoidRouter, num_bins: int = 1000, aux_loss_coef: float = 1e-2,
+                  gamma: float = 1e-3) -> Balancer:
+    """The balancer named by ``cfg.balancer`` for ``router`` (shares its bias tensor)."""
+    bias, k = router.e_score_correction_bias, router.top_k
+    if kind == "quantile_hist":
+        return QuantileBalancer(bias, k, exact=False, num_bins=num_bins)
+    if kind == "quantile_exact":
+        return QuantileBalancer(bias, k, exact=True)
+    if kind == "loss_free":
+        return LossFreeBalancer(bias, k, gamma=gamma)
+    if kind == "aux_loss":
+        return AuxLossBalancer(bias, k, coef=aux_loss_coef)
+    if kind == "none":
+        return Balancer(bias, k)
+    raise ValueError(f"balancer={kind!r}: allowed values are {BALANCERS}")

@@ -1,0 +1,410 @@
+"""The k3lab training loop: one process, any causal LM, exact resume, never unpickles.
+
+    result = fit(model, batch_iterator(train_ids, 16, 128), TrainConfig(steps=200), val_batches=...)
+
+Per step ``s`` (0-based): ``lr = cosine_lr(s, steps, warmup, lr, min_lr_ratio)`` for every group
+(K3: cosine, 1% linear warmup, weight decay 0.1), ``loss = model(x, labels=y).loss`` (under bf16
+autocast if asked), backward, global grad-norm clip, optimizer step, ``model.after_optimizer_step()``
+when the model defines it (MoE balancer updates, QK-Clip). The model's ``loss`` is the objective:
+a model adds its own auxiliary/MTP terms into it (``aux_loss`` and ``metrics`` are only logged).
+
+Checkpoints (``out_dir/ckpt-00000100/``, written to a temporary folder and renamed into place, then
+``out_dir/latest`` is swapped atomically to point at it):
+
+    model.safetensors      weights (``safetensors.torch.save_model``: tied weights handled)
+    optimizer.safetensors  every tensor of the optimizer state, keyed "<param index>.<name>"
+    rng.safetensors        torch CPU (and CUDA) generator states
+    state.json             step, tokens, elapsed, the optimizer's param groups and non-tensor state,
+                           python/numpy RNG states, TrainConfig, model config, metric history
+
+Loading reads only JSON and safetensors, so a checkpoint cannot run code; any other file in the
+folder (a ``.pt``, a pickle) is ignored. Batches are fetched by step (``train_batches(step)``
+when callable, e.g. :func:`k3lab.data.batch_iterator`), so a resumed run sees the same data.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import random
+import shutil
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, load_model, save_file, save_model
+from torch import nn
+from tqdm.auto import tqdm
+
+from k3lab.backend import resolve_device
+from k3lab.optim import build_optimizer, set_lr
+
+CHECKPOINT_FORMAT = "k3lab-checkpoint-v1"
+OPTIMIZERS = ("adamw", "muon")
+DTYPES = ("float32", "bfloat16")
+# fields whose change alters the trajectory of a resumed run (a warning names them)
+TRAJECTORY_FIELDS = ("steps", "lr", "min_lr_ratio", "warmup_steps", "warmup_frac", "weight_decay", "betas",
+                     "grad_clip", "optimizer", "optimizer_kwargs", "seed", "dtype")
+
+
+@dataclass
+class TrainConfig:
+    """How to train; every field is validated on construction (ValueError names the field)."""
+
+    steps: int = 200                          # optimizer steps in the whole run (the schedule's length)
+    lr: float = 3e-3                          # peak learning rate (every optimizer group)
+    min_lr_ratio: float = 0.1                 # cosine floor, as a fraction of lr
+    warmup_steps: int | None = None           # linear warmup steps; None -> round(warmup_frac·steps)
+    warmup_frac: float = 0.01                 # K3: 1% warmup
+    weight_decay: float = 0.1                 # decoupled; norms, biases and other 1-D params get none
+    betas: tuple[float, float] = (0.9, 0.95)  # AdamW betas (also Muon's AdamW groups)
+    grad_clip: float = 1.0                    # max global grad norm; 0 = no clipping (norm still logged)
+    optimizer: str = "adamw"                  # "adamw" | "muon" (k3lab.optim.build_optimizer)
+    optimizer_kwargs: dict = field(default_factory=dict)  # extra build_optimizer args (muon_lr, per_head, ...)
+    eval_every: int = 0                       # evaluate every N steps and at the end; 0 = at the end only
+    eval_batches: int = 8                     # validation batches per evaluation
+    log_every: int = 1                        # keep a history record (and a metrics.jsonl line) every N steps
+    checkpoint_every: int = 0                 # save every N steps and at the end of fit; 0 = at the end only
+    keep_checkpoints: int = 2                 # newest checkpoints kept in out_dir
+    out_dir: str | None = None                # None = write no files
+    seed: int = 0                             # torch seed for randomness during training
+    device: str = "auto"                      # "auto" | "cpu" | "cuda" | "cuda:N"
+    dtype: str = "float32"                    # "float32" | "bfloat16" (autocast; weights stay fp32)
+    progress: bool = True                     # tqdm progress bar
+
+    def __post_init__(self):
+        def need(ok: bool, name: str, rule: str):
+            if not ok:
+                raise ValueError(f"TrainConfig.{name}={getattr(self, name)!r}: {rule}")
+
+        for name in ("steps", "eval_batches", "log_every", "keep_checkpoints"):
+            need(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, name, "must be an int >= 1")
+        for name in ("eval_every", "checkpoint_every", "seed"):
+            need(isinstance(getattr(self, name), int) and getattr(self, name) >= 0, name, "must be an int >= 0")
+        need(self.lr > 0, "lr", "must be > 0")
+        need(0.0 <= self.min_lr_ratio <= 1.0, "min_lr_ratio", "must be in [0, 1]")
+        need(self.warmup_steps is None or (isinstance(self.warmup_steps, int)
+                                           and 0 <= self.warmup_steps <= self.steps),
+             "warmup_steps", f"must be None or an int in [0, steps={self.steps}]")
+        need(0.0 <= self.warmup_frac <= 1.0, "warmup_frac", "must be in [0, 1]")
+        need(self.weight_decay >= 0, "weight_decay", "must be >= 0")
+        need(len(self.betas) == 2 and all(0.0 <= b < 1.0 for b in self.betas), "betas",
+             "must be two numbers in [0, 1)")
+        need(self.grad_clip >= 0, "grad_clip", "must be >= 0 (0 = no clipping)")
+        need(self.optimizer in OPTIMIZERS, "optimizer", f"allowed values are {OPTIMIZERS}")
+        need(isinstance(self.optimizer_kwargs, dict), "optimizer_kwargs", "must be a dict")
+        need(self.dtype in DTYPES, "dtype", f"allowed values are {DTYPES}")
+        need(isinstance(self.device, str) and (self.device in ("auto", "cpu", "cuda")
+                                               or self.device.startswith("cuda:")),
+             "device", "allowed values are 'auto', 'cpu', 'cuda', 'cuda:N'")
+        self.betas = tuple(self.betas)
+
+    @property
+    def warmup(self) -> int:
+        """Warmup length in steps."""
+        return self.warmup_steps if self.warmup_steps is not None else round(self.warmup_frac * self.steps)
+
+
+@dataclass
+class TrainResult:
+    """What :func:`fit` returns: the metric history (one dict per logged step), the number of
+    optimizer steps done, the newest checkpoint folder (None without ``out_dir``), wall seconds."""
+
+    history: list[dict]
+    step: int
+    checkpoint: Path | None
+    elapsed: float
+
+    def column(self, key: str) -> tuple[list[int], list[float]]:
+        """(steps, values) of one metric over the records that have it, e.g. ``column("val_loss")``."""
+        rows = [r for r in self.history if key in r]
+        return [r["step"] for r in rows], [r[key] for r in rows]
+
+
+class TrainingDiverged(RuntimeError):
+    """A non-finite loss or gradient norm stopped the run; ``.result`` holds the history so far."""
+
+    def __init__(self, message: str, result: TrainResult):
+        super().__init__(message)
+        self.result = result
+
+
+# ----------------------------------------------------------------------------------------------
+# batches and evaluation
+# ----------------------------------------------------------------------------------------------
+def _next_batch(batches, step: int, iterator, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Batch ``step``: ``batches(step)`` when callable, else the iterator's next item."""
+    if callable(batches):
+        x, y = batches(step)
+    else:
+        try:
+            x, y = next(iterator)
+        except StopIteration:
+            raise ValueError(f"train_batches ran out at step {step}; pass an infinite iterator or a "
+                             "callable step -> (input_ids, labels)") from None
+    return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+
+
+def _autocast(device: torch.device, dtype: str):
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=dtype == "bfloat16")
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, batches, num_batches: int = 8, device: str | torch.device = "cpu",
+             dtype: str = "float32") -> float:
+    """Mean ``model(x, labels=y).loss`` over the first ``num_batches`` batches, in eval mode.
+
+    ``batches``: a callable ``i -> (x, y)`` (batches 0..num_batches-1, the same every time) or an
+    iterable (a fresh ``iter()`` each call: a list gives the same batches each time, a generator
+    continues where it stopped; fewer batches than ``num_batches`` is fine).
+    """
+    device = torch.device(device)
+    was_training = model.training
+    model.eval()
+    if callable(batches):
+        source = (batches(i) for i in range(num_batches))
+    else:
+        source = (b for _, b in zip(range(num_batches), batches))
+    losses = []
+    for x, y in source:
+        with _autocast(device, dtype):
+            losses.append(model(x.to(device), labels=y.to(device)).loss.float().item())
+    model.train(was_training)
+    if not losses:
+        raise ValueError("evaluate: val_batches gave no batch")
+    return sum(losses) / len(losses)
+
+
+# ----------------------------------------------------------------------------------------------
+# checkpoints: safetensors + JSON only
+# ----------------------------------------------------------------------------------------------
+def _rng_state() -> tuple[dict, dict]:
+    """(tensors, plain data) describing every RNG the loop may touch."""
+    tensors = {"torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        tensors["torch_cuda"] = torch.stack(torch.cuda.get_rng_state_all())
+    py = random.getstate()
+    np_state = np.random.get_state()
+    plain = {"python": [py[0], list(py[1]), py[2]],
+             "numpy": [np_state[0], np_state[1].tolist(), *(x for x in np_state[2:])]}
+    return tensors, plain
+
+
+def _set_rng_state(tensors: dict, plain: dict) -> None:
+    torch.set_rng_state(tensors["torch_cpu"])
+    if "torch_cuda" in tensors and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(list(tensors["torch_cuda"]))
+    version, internal, gauss = plain["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = plain["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+
+
+def _json_value(value, where: str):
+    """Refuse anything JSON cannot hold, loudly (JSON is the only non-tensor format we read)."""
+    try:
+        json.dumps(value)
+    except TypeError as err:
+        raise TypeError(f"checkpoint: {where} = {value!r} is not plain data (JSON); {err}") from None
+    return value
+
+
+def _split_optimizer_state(optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """optimizer.state_dict() -> (tensors keyed "<index>.<name>", plain data for JSON)."""
+    sd = optimizer.state_dict()
+    tensors, scalars = {}, {}
+    for index, state in sd["state"].items():
+        for name, value in state.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"{index}.{name}"] = value.detach().contiguous().cpu()
+            else:
+                scalars.setdefault(str(index), {})[name] = _json_value(value, f"optimizer state {index}.{name}")
+    groups = [{k: _json_value(list(v) if isinstance(v, tuple) else v, f"param group key {k!r}")
+               for k, v in g.items()} for g in sd["param_groups"]]
+    return tensors, {"param_groups": groups, "scalars": scalars}
+
+
+def _join_optimizer_state(tensors: dict, plain: dict) -> dict:
+    state: dict[int, dict] = {}
+    for key, value in tensors.items():
+        index, name = key.split(".", 1)
+        state.setdefault(int(index), {})[name] = value
+    for index, values in plain["scalars"].items():
+        state.setdefault(int(index), {}).update(values)
+    groups = [{k: tuple(v) if k == "betas" else v for k, v in g.items()} for g in plain["param_groups"]]
+    return {"state": state, "param_groups": groups}
+
+
+def _plain_config(obj):
+    if dataclasses.is_dataclass(obj):
+        return json.loads(json.dumps(dataclasses.asdict(obj), default=repr))
+    return None
+
+
+def save_checkpoint(out_dir: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer,
+                    meta: dict, keep: int = 2) -> Path:
+    """Write ``out_dir/ckpt-<step>`` atomically and point ``out_dir/latest`` at it; keep it and the
+    ``keep - 1`` highest-numbered other checkpoints. ``meta`` (plain data, with ``step``) goes into
+    state.json."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    final = out_dir / f"ckpt-{meta['step']:08d}"
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-ckpt-", dir=out_dir))
+    opt_tensors, opt_plain = _split_optimizer_state(optimizer)
+    rng_tensors, rng_plain = _rng_state()
+    save_model(model, str(tmp / "model.safetensors"))
+    save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
+    save_file(rng_tensors, str(tmp / "rng.safetensors"))
+    state = dict(meta, format=CHECKPOINT_FORMAT, optimizer=opt_plain, rng=rng_plain,
+                 model_config=_plain_config(getattr(model, "config", None)))
+    (tmp / "state.json").write_text(json.dumps(state))
+    if final.exists():  # the same step saved again (a resumed run that stops where it started)
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    pointer = out_dir / f".latest.tmp{os.getpid()}"
+    pointer.write_text(final.name)
+    os.replace(pointer, out_dir / "latest")
+    others = [p for p in sorted(out_dir.glob("ckpt-*")) if p != final]
+    for old in others[:max(0, len(others) - (keep - 1))]:
+        shutil.rmtree(old)
+    return final
+
+
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    """A checkpoint folder (holds state.json), or a run folder whose ``latest`` file names one."""
+    path = Path(path)
+    if (path / "latest").is_file():
+        path = path / (path / "latest").read_text().strip()
+    if not (path / "state.json").is_file():
+        raise FileNotFoundError(f"no k3lab checkpoint at {path} (expected state.json or a 'latest' file)")
+    return path
+
+
+def load_checkpoint(path: str | os.PathLike, model: nn.Module,
+                    optimizer: torch.optim.Optimizer | None = None) -> dict:
+    """Load weights (and optimizer state) from a checkpoint into ``model`` in place; return its
+    state.json as a dict (``step``, ``history``, ...). Reads safetensors and JSON only."""
+    path = resolve_checkpoint(path)
+    state = json.loads((path / "state.json").read_text())
+    if state.get("format") != CHECKPOINT_FORMAT:
+        raise ValueError(f"{path}: format {state.get('format')!r} is not {CHECKPOINT_FORMAT!r}")
+    device = next(model.parameters()).device
+    load_model(model, str(path / "model.safetensors"), strict=True, device=str(device))
+    if optimizer is not None:
+        tensors = load_file(str(path / "optimizer.safetensors"))
+        optimizer.load_state_dict(_join_optimizer_state(tensors, state["optimizer"]))
+    state["path"] = str(path)
+    return state
+
+
+# ----------------------------------------------------------------------------------------------
+# the loop
+# ----------------------------------------------------------------------------------------------
+def _metric_floats(out) -> dict:
+    """aux_loss and the scalar entries of out.metrics, as floats for the history."""
+    found = {"aux_loss": out.aux_loss} if getattr(out, "aux_loss", None) is not None else {}
+    found.update(getattr(out, "metrics", None) or {})
+    return {k: float(v) for k, v in found.items()
+            if isinstance(v, (int, float)) or (isinstance(v, torch.Tensor) and v.numel() == 1)}
+
+
+def fit(model: nn.Module, train_batches, cfg: TrainConfig, val_batches=None,
+        resume_from: str | os.PathLike | None = None, stop_at: int | None = None) -> TrainResult:
+    """Train ``model`` for ``cfg.steps`` optimizer steps; see the module docstring.
+
+    train_batches: callable ``step -> (input_ids [B, T], labels [B, T])`` (preferred: exact resume)
+        or an iterable of such pairs (on resume it must start at the resumed step).
+    val_batches:   callable or iterable for :func:`evaluate`, run every ``cfg.eval_every`` steps and
+        at step ``cfg.steps``; the record of that step gets ``val_loss``.
+    resume_from:   a checkpoint folder or a run folder (``out_dir`` with ``latest``): weights,
+        optimizer, RNG states, step and history are restored; build the same model first.
+    stop_at:       end this call after that many steps (the schedule still spans ``cfg.steps``);
+        a later ``fit(..., resume_from=out_dir)`` continues, as after an interruption.
+    Raises :class:`TrainingDiverged` on a non-finite loss or gradient norm, before that step
+    changes the weights; the checkpoints already written are kept.
+    """
+    device = resolve_device(cfg.device)
+    model.to(device).train()
+    optimizer = build_optimizer(model, cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                betas=cfg.betas, **cfg.optimizer_kwargs)
+    torch.manual_seed(cfg.seed)
+    step, tokens, elapsed_before, history, checkpoint = 0, 0, 0.0, [], None
+    if resume_from is not None:
+        state = load_checkpoint(resume_from, model, optimizer)
+        checkpoint, plain_cfg = Path(state["path"]), _plain_config(cfg)
+        changed = [k for k in TRAJECTORY_FIELDS
+                   if json.dumps(state["train_config"].get(k)) != json.dumps(plain_cfg[k])]
+        if changed:
+            warnings.warn(f"resuming {state['path']} with changed TrainConfig fields {changed}: "
+                          "the run will not match an uninterrupted one")
+        step, tokens, elapsed_before, history = state["step"], state["tokens"], state["elapsed"], state["history"]
+        _set_rng_state(load_file(str(Path(state["path"]) / "rng.safetensors")), state["rng"])
+    end = cfg.steps if stop_at is None else min(cfg.steps, stop_at)
+    out_dir = Path(cfg.out_dir) if cfg.out_dir is not None else None
+    metrics_file = None
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        metrics_file = open(out_dir / "metrics.jsonl", "w")  # rewritten: history up to the resumed step
+        metrics_file.writelines(json.dumps(r) + "\n" for r in history)
+
+    def record(row: dict) -> None:
+        history.append(row)
+        if metrics_file is not None:
+            metrics_file.write(json.dumps(row) + "\n")
+            metrics_file.flush()
+
+    def result() -> TrainResult:
+        return TrainResult(history=history, step=step, checkpoint=checkpoint,
+                           elapsed=elapsed_before + time.perf_counter() - t0)
+
+    iterator = None if callable(train_batches) else iter(train_batches)
+    bar = tqdm(total=cfg.steps, initial=step, desc="train", disable=not cfg.progress, dynamic_ncols=True)
+    t0 = time.perf_counter()
+    try:
+        while step < end:
+            lr = set_lr(optimizer, step, cfg.steps, cfg.warmup, cfg.min_lr_ratio)
+            x, y = _next_batch(train_batches, step, iterator, device)
+            with _autocast(device, cfg.dtype):
+                out = model(x, labels=y)
+            if out.loss is None:
+                raise ValueError("fit: model(input_ids, labels=...) returned loss=None")
+            loss = out.loss.float().item()
+            grad_norm = math.nan
+            if math.isfinite(loss):
+                out.loss.backward()
+                grad_norm = float(nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or math.inf))
+            if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+                optimizer.zero_grad(set_to_none=True)
+                raise TrainingDiverged(
+                    f"non-finite {'gradient norm' if math.isfinite(loss) else 'loss'} (loss={loss}, "
+                    f"grad_norm={grad_norm}) at step {step + 1}: training stopped before this update. "
+                    f"Last good checkpoint: {checkpoint or 'none (no out_dir, or none saved yet)'}.",
+                    result())
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if hasattr(model, "after_optimizer_step"):
+                model.after_optimizer_step()
+            step += 1
+            tokens += x.numel()
+            row = dict(step=step, loss=loss, lr=lr, grad_norm=grad_norm, tokens=tokens,
+                       elapsed=round(elapsed_before + time.perf_counter() - t0, 4), **_metric_floats(out))
+            if val_batches is not None and (step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0)):
+                row["val_loss"] = evaluate(model, val_batches, cfg.eval_batches, device, cfg.dtype)
+            if step % cfg.log_every == 0 or step == end or "val_loss" in row:
+                record(row)
+                bar.set_postfix({k: f"{row[k]:.4g}" for k in ("loss", "val_loss", "lr") if k in row})
+            bar.update(1)
+            if out_dir is not None and (step == end or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0)):
+                meta = dict(step=step, tokens=tokens, elapsed=elapsed_before + time.perf_counter() - t0,
+                            history=history, train_config=_plain_config(cfg))
+                checkpoint = save_checkpoint(out_dir, model, optimizer, meta, keep=cfg.keep_checkpoints)
+    finally:
+        bar.close()
+        if metrics_file is not None:
+            metrics_file.close()
+    return result()

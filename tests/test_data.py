@@ -1,0 +1,164 @@
+"""k3lab.data: corpus, tokenizers, splits, batches, MQAR, passkey."""
+import pytest
+import torch
+
+from k3lab.data import (
+    IGNORE_INDEX,
+    batch_iterator,
+    corpus_books,
+    corpus_splits,
+    get_batch,
+    get_tokenizer,
+    load_corpus,
+    mqar,
+    passkey,
+)
+
+
+# ---------------------------------------------------------------------------- corpus, tokenizers
+def test_corpus_is_the_whole_kjv_in_order():
+    books = corpus_books()
+    assert len(books) == 66
+    assert books[0][0] == "Genesis" and books[-1][0] == "Revelation"
+    text = load_corpus()
+    assert text.startswith("Genesis\n\nIn the beginning God created the heaven and the earth.\n")
+    assert text.endswith("The grace of our Lord Jesus Christ be with you all. Amen.\n")
+    assert 4_000_000 < len(text) < 4_300_000
+
+
+@pytest.mark.parametrize("kind", ["bpe", "byte"])
+def test_tokenizer_round_trip_on_corpus_text(kind):
+    tok = get_tokenizer(kind)
+    text = load_corpus()[1_000_000:1_020_000] + " 0123456789 ½ — 😀\n"
+    ids = tok.encode(text)
+    assert all(0 <= i < tok.vocab_size for i in ids)
+    assert tok.decode(ids) == text
+    specials = {tok.bos_id, tok.eos_id, tok.pad_id}
+    assert len(specials) == 3 and not specials & set(ids)
+    assert tok.decode([tok.bos_id] + ids[:50] + [tok.eos_id]) == tok.decode(ids[:50])
+
+
+def test_tokenizer_vocab_and_specials():
+    bpe, byte = get_tokenizer("bpe"), get_tokenizer("byte")
+    assert (bpe.vocab_size, bpe.bos_id, bpe.eos_id, bpe.pad_id) == (4096, 0, 1, 2)
+    assert (byte.vocab_size, byte.bos_id, byte.eos_id, byte.pad_id) == (259, 256, 257, 258)
+    assert len(bpe.encode("And God said, Let there be light")) == 8  # BPE really merges
+    with pytest.raises(ValueError, match="kind"):
+        get_tokenizer("tiktoken")
+
+
+def test_corpus_splits_deterministic_and_contiguous():
+    tok = get_tokenizer("bpe")
+    train, val = corpus_splits(tok, val_fraction=0.01)
+    train2, val2 = corpus_splits(tok, val_fraction=0.01)
+    assert torch.equal(train, train2) and torch.equal(val, val2)
+    assert train.dtype == val.dtype == torch.long and train.ndim == val.ndim == 1
+    assert abs(len(val) / (len(train) + len(val)) - 0.01) < 1e-4
+    # one stream cut in two: the split re-joins into the encoded corpus
+    assert tok.decode(torch.cat([train, val]).tolist()) == load_corpus()
+    assert "Amen." in tok.decode(val[-20:].tolist())
+    with pytest.raises(ValueError, match="val_fraction"):
+        corpus_splits(tok, val_fraction=0.0)
+
+
+# ---------------------------------------------------------------------------- batches
+def test_batches_aligned_deterministic_and_resumable():
+    ids = torch.arange(1000)
+    it = batch_iterator(ids, batch_size=4, seq_len=16, seed=3)
+    batches = [next(it) for _ in range(5)]
+    for x, y in batches:
+        assert x.shape == y.shape == (4, 16) and x.dtype == torch.long
+        assert torch.equal(y[:, :-1], x[:, 1:])          # y[t] = x[t+1]
+        assert torch.equal(y, x + 1)                     # windows of a contiguous stream
+    resumed = batch_iterator(ids, batch_size=4, seq_len=16, seed=3, start_step=3)
+    assert torch.equal(next(resumed)[0], batches[3][0])
+    assert torch.equal(it(1)[0], batches[1][0])          # random access by step
+    assert not torch.equal(batch_iterator(ids, 4, 16, seed=4)(0)[0], batches[0][0])
+    with pytest.raises(ValueError, match="seq_len"):
+        get_batch(torch.arange(10), 2, 10, step=0)
+
+
+# ---------------------------------------------------------------------------- MQAR
+def test_mqar_labels_match_the_bound_values():
+    V, N, T, P = 256, 64, 64, 8
+    x, y = mqar(V, N, T, P, seed=0)
+    assert x.shape == y.shape == (N, T) and x.dtype == y.dtype == torch.long
+    for row_x, row_y in zip(x.tolist(), y.tolist()):
+        keys, values = row_x[0:2 * P:2], row_x[1:2 * P:2]
+        assert all(1 <= k < V // 2 for k in keys) and all(V // 2 <= v < V for v in values)
+        assert len(set(keys)) == P and len(set(values)) == P
+        kv = dict(zip(keys, values))
+        queried = [t for t, label in enumerate(row_y) if label != IGNORE_INDEX]
+        assert len(queried) == P and min(queried) >= 2 * P        # queries come after the pairs
+        assert sorted(row_x[t] for t in queried) == sorted(keys)  # every key queried once
+        for t in queried:
+            assert row_y[t] == kv[row_x[t]]
+    assert torch.all(y[:, : 2 * P] == IGNORE_INDEX)
+
+
+def test_mqar_deterministic_and_filler_modes():
+    a = mqar(128, 8, 32, 4, seed=7)
+    b = mqar(128, 8, 32, 4, seed=7)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert not torch.equal(mqar(128, 8, 32, 4, seed=8)[0], a[0])
+    x0, y0 = mqar(128, 8, 32, 4, seed=7, random_non_queries=False)
+    assert torch.equal(y0, a[1])
+    filler = (y0 == IGNORE_INDEX) & (torch.arange(32) >= 8)
+    assert torch.all(x0[filler] == 0) and (a[0][filler] != 0).float().mean() > 0.9
+
+
+def test_mqar_docstring_row():
+    x, y = mqar(16, 1, 16, 2, seed=0)
+    assert x[0].tolist() == [7, 12, 3, 10, 7, 3, 14, 7, 3, 1, 9, 9, 15, 0, 15, 10]
+    assert {t: v for t, v in enumerate(y[0].tolist()) if v != IGNORE_INDEX} == {4: 12, 8: 10}
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(vocab_size=64, seq_len=15, num_kv_pairs=4), "seq_len"),
+    (dict(vocab_size=8, seq_len=64, num_kv_pairs=4), "vocab_size"),
+    (dict(vocab_size=64, seq_len=64, num_kv_pairs=0), "num_kv_pairs"),
+])
+def test_mqar_impossible_settings(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        mqar(num_examples=2, seed=0, **kwargs)
+
+
+# ---------------------------------------------------------------------------- passkey
+@pytest.mark.parametrize("depth", [0.0, 0.5, 1.0])
+def test_passkey_answer_positions_and_depth(depth):
+    tok = get_tokenizer("bpe")
+    L, k = 256, 5
+    x, y = passkey(tok, 3, L, depth=depth, seed=1, num_digits=k)
+    assert x.shape == y.shape == (3, L)
+    assert torch.all(y[:, :-k] == IGNORE_INDEX)
+    digit_ids = {tok.encode(str(d))[0] for d in range(10)}
+    needle_head = tok.encode("\nThe pass key is ")
+    needle_len = len(needle_head) + len(tok.encode(". Remember it. ")) + len(tok.encode(" is the pass key.\n")) + 2 * k
+    question_len = len(tok.encode("\nWhat is the pass key? The pass key is "))
+    filler_len = L + 1 - needle_len - question_len - k
+    for row_x, row_y in zip(x.tolist(), y.tolist()):
+        answer = row_y[-k:]
+        assert set(answer) <= digit_ids
+        assert row_x[-k + 1:] == answer[:-1]                     # teacher-forced answer
+        key = tok.decode(answer)
+        text = tok.decode(row_x)
+        assert text.count(f"The pass key is {key}. Remember it. {key} is the pass key.") == 1
+        start = next(t for t in range(L) if row_x[t:t + len(needle_head)] == needle_head)
+        assert start == round(depth * filler_len)
+
+
+def test_passkey_bare_vocab_lengths_and_errors():
+    x, y = passkey(64, 4, 40, depth=None, seed=0, filler="random")
+    assert x.shape == (4, 40) and torch.all(y[:, :-5] == IGNORE_INDEX)
+    for row_x, row_y in zip(x.tolist(), y.tolist()):
+        n = row_x.index(10)
+        assert row_x[n + 1:n + 6] == row_y[-5:]                   # needle holds the answer
+        assert row_x[-5] == 11                                    # question marker
+    long_x, _ = passkey(64, 4, 40 * 16, depth=0.5, seed=0, filler="random")
+    assert long_x.shape == (4, 640)
+    with pytest.raises(ValueError, match="context_len"):
+        passkey(get_tokenizer("bpe"), 1, 20, depth=0.5)
+    with pytest.raises(ValueError, match="depth"):
+        passkey(64, 1, 40, depth=1.5, filler="random")
+    with pytest.raises(ValueError, match="filler"):
+        passkey(64, 1, 40, depth=0.5)
