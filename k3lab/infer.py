@@ -46,3 +46,38 @@ def generate(model, input_ids: Tensor, max_new_tokens: int, temperature: float =
         if step + 1 < max_new_tokens:
             out = model(nxt, cache=out.cache)
     return torch.cat(tokens, dim=1)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def measure_inference(model, context: int, decode_tokens: int = 16, batch_size: int = 1, seed: int = 0) -> dict:
+    """The three costs of inference, measured: prefill seconds for `context` random tokens, mean
+    seconds per decoded token for the next `decode_tokens` (greedy, with the cache), and the bytes
+    the cache holds after the prefill (``cache.nbytes()``).
+
+    Returns dict(context, prefill_s, decode_s_per_token, cache_bytes).
+    """
+    import time
+
+    if context < 1 or decode_tokens < 1:
+        raise ValueError(f"context={context} and decode_tokens={decode_tokens}: both must be >= 1")
+    device = next(model.parameters()).device
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, model.config.vocab_size, (batch_size, context), generator=g).to(device)
+    model.eval()
+    _sync(device)
+    t0 = time.perf_counter()
+    out = model(ids)
+    _sync(device)
+    prefill_s = time.perf_counter() - t0
+    cache_bytes = out.cache.nbytes()
+    t0 = time.perf_counter()
+    for _ in range(decode_tokens):
+        out = model(out.logits[:, -1:].argmax(-1), cache=out.cache)
+    _sync(device)
+    decode_s = (time.perf_counter() - t0) / decode_tokens
+    return dict(context=context, prefill_s=prefill_s, decode_s_per_token=decode_s, cache_bytes=cache_bytes)

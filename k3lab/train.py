@@ -76,6 +76,7 @@ class TrainConfig:
     device: str = "auto"                      # "auto" | "cpu" | "cuda" | "cuda:N"
     dtype: str = "float32"                    # "float32" | "bfloat16" (autocast; weights stay fp32)
     progress: bool = True                     # tqdm progress bar
+    name: str = "train"                       # run name: the progress bar's label
 
     def __post_init__(self):
         def need(ok: bool, name: str, rule: str):
@@ -157,7 +158,8 @@ def _autocast(device: torch.device, dtype: str):
 @torch.no_grad()
 def evaluate(model: nn.Module, batches, num_batches: int = 8, device: str | torch.device = "cpu",
              dtype: str = "float32") -> float:
-    """Mean ``model(x, labels=y).loss`` over the first ``num_batches`` batches, in eval mode.
+    """Mean language-modelling loss over the first ``num_batches`` batches, in eval mode: the
+    model's ``metrics["lm_loss"]`` when it reports one (K3: CE without the MTP/MoE terms), else ``loss``.
 
     ``batches``: a callable ``i -> (x, y)`` (batches 0..num_batches-1, the same every time) or an
     iterable (a fresh ``iter()`` each call: a list gives the same batches each time, a generator
@@ -173,7 +175,8 @@ def evaluate(model: nn.Module, batches, num_batches: int = 8, device: str | torc
     losses = []
     for x, y in source:
         with _autocast(device, dtype):
-            losses.append(model(x.to(device), labels=y.to(device)).loss.float().item())
+            out = model(x.to(device), labels=y.to(device))
+        losses.append(float(out.metrics.get("lm_loss", out.loss)))
     model.train(was_training)
     if not losses:
         raise ValueError("evaluate: val_batches gave no batch")
@@ -363,7 +366,7 @@ def fit(model: nn.Module, train_batches, cfg: TrainConfig, val_batches=None,
                            elapsed=elapsed_before + time.perf_counter() - t0)
 
     iterator = None if callable(train_batches) else iter(train_batches)
-    bar = tqdm(total=cfg.steps, initial=step, desc="train", disable=not cfg.progress, dynamic_ncols=True)
+    bar = tqdm(total=cfg.steps, initial=step, desc=cfg.name, disable=not cfg.progress, dynamic_ncols=True)
     t0 = time.perf_counter()
     try:
         while step < end:

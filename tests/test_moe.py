@@ -7,6 +7,7 @@ from k3lab.config import ModelConfig
 from k3lab.moe.latent import LatentMoE, LocalDispatcher, RoutedExperts, merge_expert_weights, split_expert_weights
 from k3lab.moe.router import (AuxLossBalancer, LossFreeBalancer, QuantileBalancer, SigmoidRouter, expert_load,
                               make_balancer, max_violation, route_scores)
+from k3lab.moe.simulate import FIG5_SCORES, sharded_histogram_update, simulate_balancing, skewed_scores
 from k3lab.moe.situ import SiTUMLP, situ_glu, swiglu
 from k3lab.testing import assert_close
 
@@ -74,41 +75,19 @@ def test_router_bias_never_gets_a_gradient_and_stays_fp32():
 
 
 # ---------------------------------------------------------------------------------------------- balancers
-# The 8-token, 4-expert, top-1 example of K3's Fig. 5: raw routing loads (4, 3, 1, 0); one QB step
-# re-routes t3, t5 -> E4 and t7 -> E3 and balances the same batch to (2, 2, 2, 2).
-WORKED_SCORES = torch.tensor([
-    [0.90, 0.50, 0.30, 0.20],
-    [0.40, 0.80, 0.30, 0.20],
-    [0.30, 0.60, 0.20, 0.55],
-    [0.85, 0.40, 0.30, 0.20],
-    [0.60, 0.30, 0.20, 0.55],
-    [0.30, 0.75, 0.20, 0.40],
-    [0.60, 0.20, 0.55, 0.30],
-    [0.30, 0.40, 0.70, 0.20],
-])
-
-
 @pytest.mark.parametrize("exact", [True, False], ids=["exact", "hist"])
 def test_qb_worked_example_4310_to_2222(exact):
     bias = torch.zeros(4)
     qb = QuantileBalancer(bias, top_k=1, exact=exact)
-    first = route_scores(WORKED_SCORES, bias, 1)
+    first = route_scores(FIG5_SCORES, bias, 1)
     assert expert_load(first.topk_idx, 4).tolist() == [4, 3, 1, 0]
     qb.observe(first)
     qb.update()
     assert abs(bias.sum().item()) < 1e-6  # mean-centred
-    second = route_scores(WORKED_SCORES, bias, 1)
+    second = route_scores(FIG5_SCORES, bias, 1)
     assert expert_load(second.topk_idx, 4).tolist() == [2, 2, 2, 2]
     assert second.topk_idx[:, 0].tolist() == [0, 1, 3, 0, 3, 1, 2, 2]
     assert qb.metrics()["max_violation"] == pytest.approx(1.0)  # the observed step: 4 / 2 - 1
-
-
-def skewed_scores(m: int, n: int, seed: int, skew: float = 2.0) -> torch.Tensor:
-    """[m, n] sigmoid scores where expert j has a fixed logit offset ~ skew·N(0,1) (a few hot experts)."""
-    g = torch.Generator().manual_seed(1234)
-    offset = torch.randn(n, generator=g) * skew
-    g.manual_seed(seed)
-    return torch.sigmoid(torch.randn(m, n, generator=g) + offset)
 
 
 @pytest.mark.parametrize("exact", [True, False], ids=["exact", "hist"])
@@ -118,7 +97,7 @@ def test_qb_brings_max_violation_below_half_within_5_steps(exact):
     qb = QuantileBalancer(bias, top_k=k, exact=exact)
     vios = []
     for step in range(6):  # each step: a fresh batch routed with the bias of the previous steps
-        route = route_scores(skewed_scores(m, n, seed=step), bias, k)
+        route = route_scores(skewed_scores(m, n, step=step), bias, k)
         qb.observe(route)
         qb.update()
         vios.append(qb.metrics()["max_violation"])
@@ -129,7 +108,7 @@ def test_qb_brings_max_violation_below_half_within_5_steps(exact):
 def test_histogram_matches_exact_within_one_bin():
     n, k, m = 32, 4, 8192
     bias = torch.randn(n) * 0.1
-    route = route_scores(skewed_scores(m, n, seed=0), bias, k)
+    route = route_scores(skewed_scores(m, n), bias, k)
     exact, hist = QuantileBalancer(bias, k, exact=True), QuantileBalancer(bias, k, exact=False, num_bins=1000)
     exact.observe(route)
     hist.observe(route)
@@ -145,32 +124,25 @@ def test_histogram_matches_exact_within_one_bin():
 @pytest.mark.parametrize("ranks", [1, 2, 4])
 def test_histogram_is_exactly_shard_invariant(ranks):
     n, k, m = 64, 4, 4096
-    scores = skewed_scores(m, n, seed=3)
+    scores = skewed_scores(m, n, step=3)
     single = torch.zeros(n)
     qb = QuantileBalancer(single, k)
     qb.observe(route_scores(scores, single, k))
     qb.update()
+    sharded = sharded_histogram_update(scores, torch.zeros(n), k, ranks, micro_batches=2, seed=ranks)
+    assert torch.equal(sharded, single)
 
-    biases = [torch.zeros(n) for _ in range(ranks)]
-    bals = [QuantileBalancer(b, k) for b in biases]
-    perm = torch.randperm(m, generator=torch.Generator().manual_seed(ranks))
-    for bal, b, shard in zip(bals, biases, scores[perm].chunk(ranks)):
-        for micro in shard.chunk(2):  # two micro-batches per rank (gradient accumulation)
-            bal.observe(route_scores(micro, b, k))
-    for tensors in zip(*(bal.stats() for bal in bals)):  # the integer all-reduce (SUM), simulated
-        total = sum(tensors)
-        for t in tensors:
-            t.copy_(total)
-    for bal in bals:
-        bal.update()
-    for b in biases:
-        assert torch.equal(b, single)
+
+def test_simulated_balancers_on_skewed_scores():
+    vio = {b: simulate_balancing(b, n=32, k=4, m=2048, steps=8) for b in ("none", "loss_free", "quantile_hist")}
+    assert vio["none"][-1] > 2.0
+    assert vio["quantile_hist"][-1] < 0.5 < vio["loss_free"][-1]  # γ = 1e-3 needs far more than 8 steps
 
 
 def test_loss_free_moves_bias_toward_balance():
     bias = torch.zeros(4)
     lf = LossFreeBalancer(bias, top_k=1, gamma=1e-3)
-    lf.observe(route_scores(WORKED_SCORES, bias, 1))  # loads (4, 3, 1, 0), mean 2
+    lf.observe(route_scores(FIG5_SCORES, bias, 1))  # loads (4, 3, 1, 0), mean 2
     lf.update()
     assert bias.tolist() == pytest.approx([-1e-3, -1e-3, 1e-3, 1e-3])
 
@@ -310,6 +282,26 @@ def test_update_all_reduces_stats_through_the_hook():
     qb = QuantileBalancer(bias, top_k=1)
     seen = []
     qb.all_reduce = lambda t: seen.append((t.dtype, tuple(t.shape)))
-    qb.observe(route_scores(WORKED_SCORES, bias, 1))
+    qb.observe(route_scores(FIG5_SCORES, bias, 1))
     qb.update()
     assert seen == [(torch.int64, (4,)), (torch.int64, (4, 1000))]
+
+
+def test_recorders_follow_training_forwards_only():
+    from k3lab.moe.simulate import MaxViolationRecorder
+    from k3lab.moe.situ import GLUOutputRecorder
+
+    torch.manual_seed(0)
+    moe = LatentMoE(tiny_cfg()).train()
+    vio, glu = MaxViolationRecorder(moe), GLUOutputRecorder(moe, threshold=0.0)
+    moe(torch.randn(2, 8, 64))
+    moe.after_optimizer_step()
+    moe.eval()(torch.randn(2, 8, 64))
+    assert list(vio.history) == [""] and len(vio.history[""]) == 1
+    assert vio.history[""][0] == pytest.approx(moe.balancer.metrics()["max_violation"])
+    stats = glu.history["shared_experts"]
+    assert len(stats) == 1 and stats[0]["max_abs"] > 0 and stats[0]["frac_over"] == 1.0
+    vio.remove()
+    glu.remove()
+    moe.train()(torch.randn(2, 8, 64))
+    assert len(vio.history[""]) == 1

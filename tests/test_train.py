@@ -57,19 +57,19 @@ def test_loss_goes_down_and_hook_runs():
     val = batch_iterator(STREAM, B, T, seed=99)
     torch.manual_seed(0)
     model = TinyLM()
-    cfg = TrainConfig(steps=60, lr=3e-2, warmup_steps=2, eval_every=30, eval_batches=2, device="cpu",
+    cfg = TrainConfig(steps=40, lr=3e-2, warmup_steps=2, eval_every=20, eval_batches=2, device="cpu",
                       progress=False)
     result = fit(model, batch_iterator(STREAM, B, T, seed=1), cfg, val_batches=val)
     losses = [r["loss"] for r in result.history]
-    assert len(losses) == 60 and result.step == 60 and model.after_steps == 60
+    assert len(losses) == 40 and result.step == 40 and model.after_steps == 40
     assert losses[-1] < 0.5 * losses[0]
     steps, val_losses = result.column("val_loss")
-    assert steps == [30, 60] and val_losses[1] < val_losses[0]
+    assert steps == [20, 40] and val_losses[1] < val_losses[0]
     assert {"step", "loss", "lr", "grad_norm", "tokens", "elapsed"} <= set(result.history[0])
-    assert result.history[-1]["tokens"] == 60 * B * T
+    assert result.history[-1]["tokens"] == 40 * B * T
     lrs = [r["lr"] for r in result.history]
     assert lrs[0] == pytest.approx(1.5e-2) and lrs[1] == pytest.approx(3e-2)  # warmup 2 steps
-    assert lrs[-1] == pytest.approx(3e-3, rel=1e-2)                         # cosine to 0.1·lr
+    assert lrs[-1] == pytest.approx(3e-3, rel=3e-2)                         # cosine to 0.1·lr
 
 
 def test_bfloat16_autocast_runs():

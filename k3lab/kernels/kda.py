@@ -100,7 +100,8 @@ def kda_forward(q, k, v, g, beta, scale, initial_state, output_final_state):
     DT = ACTIVATION_DTYPES[q.dtype]
     PREC = "ieee" if q.dtype == torch.float32 else "tf32"
     f32 = dict(dtype=torch.float32, device=q.device)
-    qg, kg, w, u = torch.empty_like(q), torch.empty_like(k), torch.empty_like(k), torch.empty_like(v)
+    qg, kg, w = torch.empty_like(q), torch.empty_like(k), torch.empty_like(k)
+    u = torch.empty_like(v, dtype=torch.float32)  # fp32: Ṽ = U − W S cancels, and U rounded to bf16 doubled the error
     gl = torch.empty(B, NT, H, K, **f32)  # G_C per chunk
     Aqk, Akk_inv, Mkk = (torch.empty(B, T, H, CHUNK, **f32) for _ in range(3))
     kda_fwd_intra_kernel[(NT, B * H)](

@@ -28,7 +28,7 @@ nothing sequential. With ``dS`` the gradient of the state *leaving* a chunk, and
 import triton
 import triton.language as tl
 
-from k3lab.kernels.kda_forward import decay_from_anchor, decay_to_end, mm, mm_fp32
+from k3lab.kernels.kda_forward import decay_from_anchor, decay_to_end, mm, mm_fp32, tile_rows
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -61,7 +61,7 @@ def kda_bwd_state_kernel(
         b_dh = tl.zeros([BK, BV], dtype=tl.float32)
     for i_r in range(NT):
         i_t = NT - 1 - i_r
-        tl.store(dhs + ((i_b.to(tl.int64) * NT + i_t) * H + i_h) * K * V + p_kv, b_dh.to(DT), mask=m_kv)
+        tl.store(dhs + ((i_b.to(tl.int64) * NT + i_t) * H + i_h) * K * V + p_kv, b_dh.to(dhs.dtype.element_ty), mask=m_kv)
         o_t = i_t * BT + rows
         m_t = o_t < T
         p_tk = ((bos + o_t[:, None]) * H + i_h) * K + o_k[None, :]
@@ -71,8 +71,8 @@ def kda_bwd_state_kernel(
         b_A = tl.load(Aqk + ((bos + o_t[:, None]) * H + i_h) * BT + rows[None, :], mask=m_t[:, None], other=0.0)
         b_do = tl.load(do + p_tv, mask=m_tv, other=0.0)
         b_kg = tl.load(kg + p_tk, mask=m_tk, other=0.0)
-        b_dvn = mm(tl.trans(b_A), b_do, DT, PREC) + mm(b_kg, b_dh, DT, PREC)  # [BT, BV]
-        tl.store(dv_new + p_tv, b_dvn.to(DT), mask=m_tv)
+        b_dvn = mm_fp32(tl.trans(b_A), b_do, PREC) + mm(b_kg, b_dh, DT, PREC)  # [BT, BV]
+        tl.store(dv_new + p_tv, b_dvn.to(dv_new.dtype.element_ty), mask=m_tv)
         b_qg = tl.load(qg + p_tk, mask=m_tk, other=0.0)
         b_w = tl.load(w + p_tk, mask=m_tk, other=0.0)
         b_gl = tl.load(gl + ((i_b.to(tl.int64) * NT + i_t) * H + i_h) * K + o_k, mask=m_k, other=0.0)
@@ -127,10 +127,10 @@ def kda_bwd_wy_kernel(
         b_dvn = tl.load(dv_new + p_tv, mask=m_tv, other=0.0)
         b_v = tl.load(v + p_tv, mask=m_tv, other=0.0).to(tl.float32)
         b_dA += mm(b_do, tl.trans(b_vn), DT, PREC)
-        b_dvb = mm(tl.trans(b_Ai), b_dvn, DT, PREC)  # d(βV) [BT, BV]
+        b_dvb = mm_fp32(tl.trans(b_Ai), b_dvn, PREC)  # d(βV) [BT, BV]
         tl.store(dv + p_tv, (b_dvb * b_beta[:, None]).to(dv.dtype.element_ty), mask=m_tv)
         b_dbeta += tl.sum(b_dvb * b_v, 1)
-        b_dAi += mm(b_dvn, tl.trans(b_v * b_beta[:, None]), DT, PREC)
+        b_dAi += mm_fp32(b_dvn, tl.trans(b_v * b_beta[:, None]), PREC)
 
     # key side, one block of key channels at a time
     for i_k in range(tl.cdiv(K, BK)):
@@ -166,13 +166,13 @@ def kda_bwd_wy_kernel(
         b_kbg = b_k * b_beta[:, None] * b_gam  # βΓ ⊙ K, the right-hand side of W
         b_dq = scale * b_gam * b_dqg
         b_dk = b_dec * b_dkt
-        b_dkbg = -mm(tl.trans(b_Ai), b_dw, DT, PREC)  # d(βΓK) = A⁻ᵀ dW
+        b_dkbg = -mm_fp32(tl.trans(b_Ai), b_dw, PREC)  # d(βΓK) = A⁻ᵀ dW
         b_dk += b_beta[:, None] * b_gam * b_dkbg
         b_dbeta += tl.sum(b_dkbg * b_gam * b_k, 1)
         b_dG = b_q * b_dq - b_kg * b_dkt + b_kbg * b_dkbg
         b_dGC = tl.exp(b_gl) * b_hdh + tl.sum(b_kg * b_dkt, 0)
         b_dG += tl.where(rows[:, None] == last, b_dGC[None, :], 0.0)
-        b_dAi -= mm(b_dw, tl.trans(b_kbg), DT, PREC)
+        b_dAi -= mm_fp32(b_dw, tl.trans(b_kbg), PREC)
         tl.store(dq_p + p_tk, b_dq, mask=m_tk)
         tl.store(dk_p + p_tk, b_dk, mask=m_tk)
         tl.store(dG_p + p_tk, b_dG, mask=m_tk)
@@ -241,12 +241,11 @@ def kda_bwd_intra_kernel(
         b_dMT = tl.load(dM + p_iAT, mask=m_t[None, :], other=0.0)
         b_qi = tl.load(q + p_ik, mask=m_ik, other=0.0).to(tl.float32)
         b_ki = tl.load(k + p_ik, mask=m_ik, other=0.0).to(tl.float32)
-        b_gi = tl.load(g + p_ik, mask=m_ik, other=0.0).to(tl.float32)
-        b_lc = tl.cumsum(tl.where(o_c[:, None] > 0, b_gi, 0.0), 0)  # G_i − G_a
+        b_lc = tile_rows(b_z, BT // BC - 1 - ii, BT, BC)  # G_i − G_a on the tile's rows
         b_qf = tl.exp(b_lc)
-        b_dq_row = b_qf * mm(b_dP, b_kh, DT, PREC)
-        b_dk_row = b_qf * mm(b_dM, b_kh, DT, PREC)
-        b_dk_col = tl.exp(-b_lc) * (mm(b_dPT, b_q * b_e, DT, PREC) + mm(b_dMT, b_k * b_e, DT, PREC))
+        b_dq_row = b_qf * mm_fp32(b_dP, b_kh, PREC)
+        b_dk_row = b_qf * mm_fp32(b_dM, b_kh, PREC)
+        b_dk_col = tl.exp(-b_lc) * (mm_fp32(b_dPT, b_q * b_e, PREC) + mm_fp32(b_dMT, b_k * b_e, PREC))
         b_dqi = tl.load(dq_p + p_ik, mask=m_ik, other=0.0) + b_dq_row
         b_dki = tl.load(dk_p + p_ik, mask=m_ik, other=0.0) + b_dk_row + b_dk_col
         b_dGi = tl.load(dG_p + p_ik, mask=m_ik, other=0.0) + b_qi * b_dq_row + b_ki * (b_dk_row - b_dk_col)

@@ -31,19 +31,30 @@ matrix products on tensor cores too; with an unbounded gate they need a per-posi
 The kernels require ``g ∈ [−5, 0]`` (more precisely ``g > −5.9``).
 """
 
+import os
+
 import triton
 import triton.language as tl
+
+# Triton's interpreter (3.9) multiplies the raw bits of bf16 operands in tl.dot; under it, mm rounds the
+# operands to DT and multiplies in fp32 instead — the same numbers the tensor cores produce.
+INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 
 
 @triton.jit
 def mm(a, b, DT: tl.constexpr, PREC: tl.constexpr):
-    """Tensor-core product with operands rounded to the activation dtype ``DT`` (fp32 accumulate)."""
+    """Tensor-core product in the activation dtype ``DT`` (fp32 accumulate), for operands stored in DT
+    (then the product is exact); a state held in fp32 registers is rounded to DT, as fla does."""
+    if INTERPRET:
+        return tl.dot(a.to(DT).to(tl.float32), b.to(DT).to(tl.float32), input_precision="ieee")
     return tl.dot(a.to(DT), b.to(DT), input_precision=PREC)
 
 
 @triton.jit
 def mm_fp32(a, b, PREC: tl.constexpr):
-    """Product with fp32 operands (tf32 tensor cores on the bf16 path, exact fp32 on the fp32 path)."""
+    """Product of operands computed in fp32 inside a kernel (gate-rescaled q/k, A⁻¹, scores, their
+    gradients): tf32 tensor cores on the bf16 path (3 more mantissa bits than bf16; rounding these to
+    bf16 made the bf16 error ~5x larger), exact fp32 on the fp32 path."""
     return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PREC)
 
 
@@ -55,6 +66,14 @@ def decay_from_anchor(b_g, rows, a):
     after = tl.cumsum(tl.where(rows[:, None] > a, b_g, 0.0), 0)  # Σ_{a<r≤j} g_r
     before = tl.cumsum(tl.where(rows[:, None] <= a, b_g, 0.0), 0, reverse=True) - b_g  # Σ_{j<r≤a} g_r
     return tl.where(rows[:, None] >= a, after, -before)
+
+
+@triton.jit
+def tile_rows(x, I, BT: tl.constexpr, BC: tl.constexpr):
+    """Rows ``I·BC .. I·BC + BC − 1`` of a register tile ``x [BT, N]`` as ``[BC, N]``, exactly (a reshape
+    and a masked sum), so that a tile's factors match the chunk-wide ones bit for bit."""
+    x3 = tl.reshape(x, [BT // BC, BC, x.shape[1]])
+    return tl.sum(tl.where(tl.arange(0, BT // BC)[:, None, None] == I, x3, 0.0), 0)
 
 
 @triton.jit
@@ -131,15 +150,14 @@ def kda_fwd_intra_kernel(
         p_ik = ((bos + o_i[:, None]) * H + i_h) * K + o_k[None, :]
         b_qi = tl.load(q + p_ik, mask=m_ik, other=0.0).to(tl.float32)
         b_ki = tl.load(k + p_ik, mask=m_ik, other=0.0).to(tl.float32)
-        b_gi = tl.load(g + p_ik, mask=m_ik, other=0.0).to(tl.float32)
         b_bi = tl.load(beta + (bos + o_i) * H + i_h, mask=m_i, other=0.0).to(tl.float32)
-        b_lc = tl.cumsum(tl.where(o_c[:, None] > 0, b_gi, 0.0), 0)  # G_i − G_a
-        b_qf = tl.exp(b_lc)  # [BC, BK] ≤ 1
         b_z = decay_from_anchor(b_g, rows, a)  # [BT, BK] G_j − G_a
+        b_lc = tile_rows(b_z, I, BT, BC)  # [BC, BK] G_i − G_a for the tile's own rows
+        b_qf = tl.exp(b_lc)  # ≤ 1
         # k̂_j = k_j exp(G_a − G_j): ≤ e^75 inside the tile (g ≥ −5), exactly 0 for keys after it
         b_kh = b_k * tl.exp(tl.where(rows[:, None] < a + BC, -b_z, float("-inf")))
-        b_P = mm(b_qi * b_qf, tl.trans(b_kh), DT, PREC)  # [BC, BT]
-        b_M = mm(b_ki * b_qf, tl.trans(b_kh), DT, PREC)  # [BC, BT]
+        b_P = mm_fp32(b_qi * b_qf, tl.trans(b_kh), PREC)  # [BC, BT]
+        b_M = mm_fp32(b_ki * b_qf, tl.trans(b_kh), PREC)  # [BC, BT]
         b_P = tl.where((a + o_c)[:, None] >= rows[None, :], b_P * scale, 0.0)
         b_M = tl.where((a + o_c)[:, None] > rows[None, :], b_M, 0.0)
         p_iA = ((bos + o_i[:, None]) * H + i_h) * BT + rows[None, :]
@@ -148,7 +166,7 @@ def kda_fwd_intra_kernel(
 
         # UT transform, block row I: X_I = (I + L_II)⁻¹ (E_I − L_{I,<I} X_{<I})
         b_kf = tl.exp(-b_lc)  # [BC, BK] exp(G_a − G_i) ≤ e^75
-        b_D = mm(b_ki * b_qf, tl.trans(b_ki * b_kf), DT, PREC) * b_bi[:, None]  # [BC, BC] diagonal tile of L
+        b_D = mm_fp32(b_ki * b_qf, tl.trans(b_ki * b_kf), PREC) * b_bi[:, None]  # [BC, BC] diagonal tile of L
         b_D = tl.where(o_c[:, None] > o_c[None, :], b_D, 0.0)
         b_Dinv = invert_unit_lower_16(b_D, BC)
         b_R = tl.where((a + o_c)[:, None] == rows[None, :], 1.0, 0.0)  # E_I [BC, BT]
@@ -162,18 +180,18 @@ def kda_fwd_intra_kernel(
 
     b_Ai = tl.load(Akk_inv + p_tA, mask=m_t[:, None], other=0.0)  # [BT, BT] A⁻¹
     b_gam = tl.exp(b_G)  # Γ ≤ 1
-    b_w = mm(b_Ai, b_k * b_beta[:, None] * b_gam, DT, PREC)
-    tl.store(w + p_tk, b_w.to(DT), mask=m_tk)
-    tl.store(kg + p_tk, (b_k * tl.exp(decay_to_end(b_g))).to(DT), mask=m_tk)
+    b_w = mm_fp32(b_Ai, b_k * b_beta[:, None] * b_gam, PREC)
+    tl.store(w + p_tk, b_w.to(w.dtype.element_ty), mask=m_tk)
+    tl.store(kg + p_tk, (b_k * tl.exp(decay_to_end(b_g))).to(kg.dtype.element_ty), mask=m_tk)
     b_q = tl.load(q + p_tk, mask=m_tk, other=0.0).to(tl.float32)
-    tl.store(qg + p_tk, (b_q * b_gam * scale).to(DT), mask=m_tk)
+    tl.store(qg + p_tk, (b_q * b_gam * scale).to(qg.dtype.element_ty), mask=m_tk)
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_tv = m_t[:, None] & (o_v < V)[None, :]
         p_tv = ((bos + o_t[:, None]) * H + i_h) * V + o_v[None, :]
         b_v = tl.load(v + p_tv, mask=m_tv, other=0.0).to(tl.float32)
-        b_u = mm(b_Ai, b_v * b_beta[:, None], DT, PREC)
-        tl.store(u + p_tv, b_u.to(DT), mask=m_tv)
+        b_u = mm_fp32(b_Ai, b_v * b_beta[:, None], PREC)
+        tl.store(u + p_tv, b_u.to(u.dtype.element_ty), mask=m_tv)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -205,7 +223,7 @@ def kda_fwd_state_kernel(
     else:
         b_h = tl.zeros([BK, BV], dtype=tl.float32)
     for i_t in range(NT):
-        tl.store(hs + ((i_b.to(tl.int64) * NT + i_t) * H + i_h) * K * V + p_kv, b_h.to(DT), mask=m_kv)
+        tl.store(hs + ((i_b.to(tl.int64) * NT + i_t) * H + i_h) * K * V + p_kv, b_h.to(hs.dtype.element_ty), mask=m_kv)
         o_t = i_t * BT + tl.arange(0, BT)
         m_t = o_t < T
         p_tk = ((bos + o_t[:, None]) * H + i_h) * K + o_k[None, :]
@@ -215,7 +233,7 @@ def kda_fwd_state_kernel(
         b_w = tl.load(w + p_tk, mask=m_tk, other=0.0)
         b_u = tl.load(u + p_tv, mask=m_tv, other=0.0).to(tl.float32)
         b_vn = b_u - mm(b_w, b_h, DT, PREC)  # [BT, BV]
-        tl.store(v_new + p_tv, b_vn.to(DT), mask=m_tv)
+        tl.store(v_new + p_tv, b_vn.to(v_new.dtype.element_ty), mask=m_tv)
         b_kg = tl.load(kg + p_tk, mask=m_tk, other=0.0)
         b_gl = tl.load(gl + ((i_b.to(tl.int64) * NT + i_t) * H + i_h) * K + o_k, mask=m_k, other=0.0)
         b_h = b_h * tl.exp(b_gl)[:, None] + mm(tl.trans(b_kg), b_vn, DT, PREC)
@@ -254,5 +272,5 @@ def kda_fwd_output_kernel(
     b_A = tl.load(Aqk + ((bos + o_t[:, None]) * H + i_h) * BT + rows[None, :], mask=m_t[:, None], other=0.0)
     p_tv = ((bos + o_t[:, None]) * H + i_h) * V + o_v[None, :]
     b_vn = tl.load(v_new + p_tv, mask=m_tv, other=0.0)
-    b_o += mm(b_A, b_vn, DT, PREC)
+    b_o += mm_fp32(b_A, b_vn, PREC)
     tl.store(o + p_tv, b_o.to(o.dtype.element_ty), mask=m_tv)

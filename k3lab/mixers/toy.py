@@ -41,6 +41,13 @@ def inverse_softplus_dt_bias(n: int, dt_min: float = 1e-3, dt_max: float = 1e-1)
     return dt + torch.log(-torch.expm1(-dt))
 
 
+def causal_depthwise_conv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``y_t = Σ_w weight[:, w] ⊙ x_{t−W+1+w}`` over ``x [B, T, D]``, weight ``[D, W]``; zeros before t = 0."""
+    T, W = x.shape[1], weight.shape[1]
+    x = F.pad(x, (0, 0, W - 1, 0))  # [B, T + W − 1, D]
+    return sum(x[:, w:w + T] * weight[:, w] for w in range(W))
+
+
 class ToyMixer(nn.Module):
     """One token-mixing layer: projections + short convs, the chosen mixer, head-wise RMSNorm, ``o_proj``."""
 
@@ -54,10 +61,8 @@ class ToyMixer(nn.Module):
             raise ValueError(f"head_dim must be >= 1 (d_model={d_model}, num_heads={num_heads})")
         self.mixer, self.num_heads, self.head_dim, self.chunk_size = mixer, num_heads, head_dim, chunk_size
         H, K = num_heads, head_dim
-        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(d_model, H * K, bias=False) for _ in range(3))
-        self.convs = nn.ModuleList(
-            nn.Conv1d(H * K, H * K, conv_size, groups=H * K, padding=conv_size - 1, bias=False) for _ in range(3)
-        )
+        self.qkv_proj = nn.Linear(d_model, 3 * H * K, bias=False)
+        self.qkv_conv = nn.Parameter(torch.randn(3 * H * K, conv_size) / math.sqrt(conv_size))  # depthwise taps
         if mixer in DELTA_MIXERS:
             self.b_proj = nn.Linear(d_model, H, bias=False)
         if mixer == "retnet":
@@ -77,10 +82,7 @@ class ToyMixer(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
         H, K = self.num_heads, self.head_dim
-        q, k, v = (
-            F.silu(conv(proj(x).transpose(1, 2))[..., :T]).transpose(1, 2).reshape(B, T, H, K)  # causal: drop the tail
-            for proj, conv in zip((self.q_proj, self.k_proj, self.v_proj), self.convs)
-        )
+        q, k, v = F.silu(causal_depthwise_conv(self.qkv_proj(x), self.qkv_conv)).reshape(B, T, 3, H, K).unbind(2)
         if self.mixer in DELTA_MIXERS:
             q, k = F.normalize(q, dim=-1, eps=1e-6), F.normalize(k, dim=-1, eps=1e-6)
             beta = torch.sigmoid(self.b_proj(x))  # [B, T, H]

@@ -58,3 +58,40 @@ class SiTUMLP(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         h = glu_activation(self.gate_proj(x), self.up_proj(x), self.act, self.beta, self.linear_beta)  # [..., I]
         return self.down_proj(h)
+
+
+class GLUOutputRecorder:
+    """Records the GLU output ``h = act(gate_proj x, up_proj x)`` entering every SiTUMLP's ``down_proj``
+    (dense layers and shared experts) on training-mode forwards: per forward and module, ``max_abs``
+    (max |h|), ``kurtosis`` (E[(h−μ)⁴]/σ⁴, 3 for a Gaussian; heavy tails → large) and ``frac_over``
+    (fraction of |h| above ``threshold``, default 448 = the FP8-E4M3 max). ``remove()`` drops the hooks."""
+
+    def __init__(self, model: nn.Module, threshold: float = 448.0):
+        self.threshold = threshold
+        self.history: dict[str, list[dict]] = {}
+        self.handles = []
+        for name, module in model.named_modules():
+            if isinstance(module, SiTUMLP):
+                self.history[name] = []
+                self.handles.append(module.down_proj.register_forward_pre_hook(self._hook(name, module)))
+
+    def _hook(self, name: str, mlp: nn.Module):
+        def hook(down_proj, args):
+            if mlp.training:
+                self.history[name].append(glu_output_stats(args[0], self.threshold))
+        return hook
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+@torch.no_grad()
+def glu_output_stats(h: Tensor, threshold: float = 448.0) -> dict:
+    """``{"max_abs", "kurtosis", "frac_over"}`` of a GLU output tensor (computed in fp32)."""
+    h = h.detach().float().flatten()
+    c = h - h.mean()
+    var = c.pow(2).mean()
+    return {"max_abs": h.abs().max().item(),
+            "kurtosis": (c.pow(4).mean() / var.pow(2)).item() if var > 0 else 0.0,
+            "frac_over": (h.abs() > threshold).float().mean().item()}
