@@ -33,7 +33,7 @@ ACTIVATION_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, tor
 # the widest value block that still gives at least `min_programs` programs, so long single sequences
 # (few B·H) still spread over the GPU's 132 SMs.
 LAUNCH = {
-    "fwd_intra": dict(BV=64, num_warps=4, num_stages=1),
+    "fwd_intra": dict(BK=64, BV=64, num_warps=4, num_stages=1),
     "fwd_state": dict(BV=(64, 32, 16), min_programs=128, num_warps=4, num_stages=2),
     "fwd_output": dict(BK=64, BV=64, num_warps=4, num_stages=2),
     "bwd_state": dict(BV=(64, 32, 16), min_programs=128, num_warps=4, num_stages=2),
@@ -106,8 +106,8 @@ def kda_forward(q, k, v, g, beta, scale, initial_state, output_final_state):
     Aqk, Akk_inv, Mkk = (torch.empty(B, T, H, CHUNK, **f32) for _ in range(3))
     kda_fwd_intra_kernel[(NT, B * H)](
         q, k, v, g, beta, qg, kg, w, u, gl, Aqk, Akk_inv, Mkk, scale, T,
-        H=H, K=K, V=V, BT=CHUNK, BC=TILE, BK=BK, BV=_block(V, LAUNCH["fwd_intra"]["BV"]), DT=DT, PREC=PREC,
-        **_launch("fwd_intra"))
+        H=H, K=K, V=V, BT=CHUNK, BC=TILE, BK=_block(K, LAUNCH["fwd_intra"]["BK"]),
+        BV=_block(V, LAUNCH["fwd_intra"]["BV"]), DT=DT, PREC=PREC, **_launch("fwd_intra"))
     hs = q.new_empty(B, NT, H, K, V)  # state entering each chunk
     v_new = torch.empty_like(v)
     final_state = torch.empty(B, H, K, V, **f32) if output_final_state else None
@@ -135,7 +135,7 @@ def kda_backward(q, k, v, g, beta, scale, initial_state, saved, do, dht):
     PREC = "ieee" if q.dtype == torch.float32 else "tf32"
     f32 = dict(dtype=torch.float32, device=q.device)
     dhs = q.new_empty(B, NT, H, K, V)  # gradient of the state leaving each chunk
-    dv_new = torch.empty_like(v)
+    dv_new = torch.empty_like(v, dtype=torch.float32)  # fp32: in bf16 it doubled the error of dv and dβ
     dh0 = torch.empty(B, H, K, V, **f32) if initial_state is not None else None
     BV = _state_block_v("bwd_state", B * H, V)
     kda_bwd_state_kernel[(triton.cdiv(V, BV), B * H)](
@@ -228,11 +228,12 @@ def kda_decode_step(
     Returns:
         ``(o [B, 1, H, V] in v.dtype, new_state [B, H, K, V] fp32)``; ``state`` is not modified.
     """
+    if q.dim() != 4 or q.shape[1] != 1:
+        raise ValueError(f"kda_decode_step takes one token, q [B, 1, H, K] (T == 1); got {tuple(q.shape)}; "
+                         "use kda_chunk for prefill")
     _check_inputs(q, k, v, g, beta, state)
     B, T, H, K = q.shape
     V = v.shape[-1]
-    if T != 1:
-        raise ValueError(f"kda_decode_step takes one token (T == 1), got T={T}; use kda_chunk for prefill")
     scale = K ** -0.5 if scale is None else float(scale)
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     if state is not None:

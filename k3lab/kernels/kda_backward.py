@@ -48,7 +48,9 @@ def kda_bwd_state_kernel(
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     NT = tl.cdiv(T, BT)
-    bos = i_b.to(tl.int64) * T
+    seq = i_b.to(tl.int64) * T * H + i_h
+    qg, kg, w, Aqk = qg + seq * K, kg + seq * K, w + seq * K, Aqk + seq * BT
+    do, dv_new = do + seq * V, dv_new + seq * V
     rows = tl.arange(0, BT)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
@@ -64,11 +66,11 @@ def kda_bwd_state_kernel(
         tl.store(dhs + ((i_b.to(tl.int64) * NT + i_t) * H + i_h) * K * V + p_kv, b_dh.to(dhs.dtype.element_ty), mask=m_kv)
         o_t = i_t * BT + rows
         m_t = o_t < T
-        p_tk = ((bos + o_t[:, None]) * H + i_h) * K + o_k[None, :]
-        p_tv = ((bos + o_t[:, None]) * H + i_h) * V + o_v[None, :]
+        p_tk = o_t[:, None] * (H * K) + o_k[None, :]
+        p_tv = o_t[:, None] * (H * V) + o_v[None, :]
         m_tk = m_t[:, None] & m_k[None, :]
         m_tv = m_t[:, None] & (o_v < V)[None, :]
-        b_A = tl.load(Aqk + ((bos + o_t[:, None]) * H + i_h) * BT + rows[None, :], mask=m_t[:, None], other=0.0)
+        b_A = tl.load(Aqk + o_t[:, None] * (H * BT) + rows[None, :], mask=m_t[:, None], other=0.0)
         b_do = tl.load(do + p_tv, mask=m_tv, other=0.0)
         b_kg = tl.load(kg + p_tk, mask=m_tk, other=0.0)
         b_dvn = mm_fp32(tl.trans(b_A), b_do, PREC) + mm(b_kg, b_dh, DT, PREC)  # [BT, BV]
@@ -104,14 +106,18 @@ def kda_bwd_wy_kernel(
     i_b, i_h = i_bh // H, i_bh % H
     NT = tl.cdiv(T, BT)
     t0 = i_t * BT
-    bos = i_b.to(tl.int64) * T
+    seq = i_b.to(tl.int64) * T * H + i_h
+    q, k, g, dq_p, dk_p, dG_p = q + seq * K, k + seq * K, g + seq * K, dq_p + seq * K, dk_p + seq * K, dG_p + seq * K
+    v, do, dv_new, v_new, dv = v + seq * V, do + seq * V, dv_new + seq * V, v_new + seq * V, dv + seq * V
+    beta, dbeta = beta + seq, dbeta + seq
+    Akk_inv, Mkk, dP, dM = Akk_inv + seq * BT, Mkk + seq * BT, dP + seq * BT, dM + seq * BT
     rows = tl.arange(0, BT)
     o_t = t0 + rows
     m_t = o_t < T
     last = tl.minimum(T - t0, BT) - 1  # last valid row of the chunk
-    p_tA = ((bos + o_t[:, None]) * H + i_h) * BT + rows[None, :]
+    p_tA = o_t[:, None] * (H * BT) + rows[None, :]
     p_state = ((i_b.to(tl.int64) * NT + i_t) * H + i_h) * K * V
-    b_beta = tl.load(beta + (bos + o_t) * H + i_h, mask=m_t, other=0.0).to(tl.float32)
+    b_beta = tl.load(beta + o_t * H, mask=m_t, other=0.0).to(tl.float32)
     b_Ai = tl.load(Akk_inv + p_tA, mask=m_t[:, None], other=0.0)  # [BT, BT]
 
     # value side: dP = dO Ṽᵀ, d(βV) = A⁻ᵀ dṼ, dA⁻¹ = dṼ (βV)ᵀ
@@ -121,7 +127,7 @@ def kda_bwd_wy_kernel(
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_tv = m_t[:, None] & (o_v < V)[None, :]
-        p_tv = ((bos + o_t[:, None]) * H + i_h) * V + o_v[None, :]
+        p_tv = o_t[:, None] * (H * V) + o_v[None, :]
         b_do = tl.load(do + p_tv, mask=m_tv, other=0.0)
         b_vn = tl.load(v_new + p_tv, mask=m_tv, other=0.0)
         b_dvn = tl.load(dv_new + p_tv, mask=m_tv, other=0.0)
@@ -131,6 +137,7 @@ def kda_bwd_wy_kernel(
         tl.store(dv + p_tv, (b_dvb * b_beta[:, None]).to(dv.dtype.element_ty), mask=m_tv)
         b_dbeta += tl.sum(b_dvb * b_v, 1)
         b_dAi += mm_fp32(b_dvn, tl.trans(b_v * b_beta[:, None]), PREC)
+    tl.store(dP + p_tA, tl.where(rows[:, None] >= rows[None, :], b_dA * scale, 0.0), mask=m_t[:, None])
 
     # key side, one block of key channels at a time
     for i_k in range(tl.cdiv(K, BK)):
@@ -145,7 +152,7 @@ def kda_bwd_wy_kernel(
             o_v = i_v * BV + tl.arange(0, BV)
             m_tv = m_t[:, None] & (o_v < V)[None, :]
             m_kv = m_k[:, None] & (o_v < V)[None, :]
-            p_tv = ((bos + o_t[:, None]) * H + i_h) * V + o_v[None, :]
+            p_tv = o_t[:, None] * (H * V) + o_v[None, :]
             b_do = tl.load(do + p_tv, mask=m_tv, other=0.0)
             b_vn = tl.load(v_new + p_tv, mask=m_tv, other=0.0)
             b_dvn = tl.load(dv_new + p_tv, mask=m_tv, other=0.0)
@@ -155,7 +162,7 @@ def kda_bwd_wy_kernel(
             b_dkt += mm(b_vn, tl.trans(b_dh), DT, PREC)
             b_dw += mm(b_dvn, tl.trans(b_h), DT, PREC)
             b_hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), 1)
-        p_tk = ((bos + o_t[:, None]) * H + i_h) * K + o_k[None, :]
+        p_tk = o_t[:, None] * (H * K) + o_k[None, :]
         b_q = tl.load(q + p_tk, mask=m_tk, other=0.0).to(tl.float32)
         b_k = tl.load(k + p_tk, mask=m_tk, other=0.0).to(tl.float32)
         b_g = tl.load(g + p_tk, mask=m_tk, other=0.0).to(tl.float32)
@@ -183,8 +190,7 @@ def kda_bwd_wy_kernel(
     b_M = tl.load(Mkk + p_tA, mask=m_t[:, None], other=0.0)
     b_dbeta += tl.sum(b_dL * b_M, 1)
     tl.store(dM + p_tA, b_dL * b_beta[:, None], mask=m_t[:, None])
-    tl.store(dP + p_tA, tl.where(rows[:, None] >= rows[None, :], b_dA * scale, 0.0), mask=m_t[:, None])
-    tl.store(dbeta + (bos + o_t) * H + i_h, b_dbeta.to(dbeta.dtype.element_ty), mask=m_t)
+    tl.store(dbeta + o_t * H, b_dbeta.to(dbeta.dtype.element_ty), mask=m_t)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -210,7 +216,9 @@ def kda_bwd_intra_kernel(
     i_t, i_kb, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     t0 = i_t * BT
-    bos = i_b.to(tl.int64) * T
+    seq = i_b.to(tl.int64) * T * H + i_h
+    q, k, g, dq_p, dk_p, dG_p = q + seq * K, k + seq * K, g + seq * K, dq_p + seq * K, dk_p + seq * K, dG_p + seq * K
+    dq, dk, dg, dP, dM = dq + seq * K, dk + seq * K, dg + seq * K, dP + seq * BT, dM + seq * BT
     rows = tl.arange(0, BT)
     o_t = t0 + rows
     m_t = o_t < T
@@ -218,7 +226,7 @@ def kda_bwd_intra_kernel(
     m_k = o_k < K
     m_tk = m_t[:, None] & m_k[None, :]
     o_c = tl.arange(0, BC)
-    p_tk = ((bos + o_t[:, None]) * H + i_h) * K + o_k[None, :]
+    p_tk = o_t[:, None] * (H * K) + o_k[None, :]
     b_q = tl.load(q + p_tk, mask=m_tk, other=0.0).to(tl.float32)
     b_k = tl.load(k + p_tk, mask=m_tk, other=0.0).to(tl.float32)
     b_g = tl.load(g + p_tk, mask=m_tk, other=0.0).to(tl.float32)
@@ -228,13 +236,13 @@ def kda_bwd_intra_kernel(
         o_i = t0 + a + o_c
         m_i = o_i < T
         m_ik = m_i[:, None] & m_k[None, :]
-        p_ik = ((bos + o_i[:, None]) * H + i_h) * K + o_k[None, :]
+        p_ik = o_i[:, None] * (H * K) + o_k[None, :]
         b_z = decay_from_anchor(b_g, rows, a)  # G_j − G_a
         b_kh = b_k * tl.exp(tl.where(rows[:, None] < a + BC, -b_z, float("-inf")))  # keys up to the tile
         b_e = tl.exp(tl.where(rows[:, None] >= a, b_z, float("-inf")))  # rows from the tile on, ≤ 1
         # score-gradient rows of the tile, and its columns (transposed)
-        p_iA = ((bos + o_i[:, None]) * H + i_h) * BT + rows[None, :]
-        p_iAT = ((bos + o_t[None, :]) * H + i_h) * BT + (a + o_c)[:, None]
+        p_iA = o_i[:, None] * (H * BT) + rows[None, :]
+        p_iAT = o_t[None, :] * (H * BT) + (a + o_c)[:, None]
         b_dP = tl.load(dP + p_iA, mask=m_i[:, None], other=0.0)
         b_dM = tl.load(dM + p_iA, mask=m_i[:, None], other=0.0)
         b_dPT = tl.load(dP + p_iAT, mask=m_t[None, :], other=0.0)

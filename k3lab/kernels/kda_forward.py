@@ -125,49 +125,52 @@ def kda_fwd_intra_kernel(
     i_b, i_h = i_bh // H, i_bh % H
     NT = tl.cdiv(T, BT)
     t0 = i_t * BT
-    bos = i_b.to(tl.int64) * T  # first token of this sequence
+    seq = i_b.to(tl.int64) * T * H + i_h  # row (b, t=0, h) of the [B·T·H] token-head rows
+    q, k, g, qg, kg, w = q + seq * K, k + seq * K, g + seq * K, qg + seq * K, kg + seq * K, w + seq * K
+    v, u, beta = v + seq * V, u + seq * V, beta + seq
+    Aqk, Akk_inv, Mkk = Aqk + seq * BT, Akk_inv + seq * BT, Mkk + seq * BT
+    gl += ((i_b.to(tl.int64) * NT + i_t) * H + i_h) * K
     rows = tl.arange(0, BT)
     o_t = t0 + rows
     m_t = o_t < T
-    o_k = tl.arange(0, BK)
-    m_tk = m_t[:, None] & (o_k < K)[None, :]
     o_c = tl.arange(0, BC)
-
-    p_tk = ((bos + o_t[:, None]) * H + i_h) * K + o_k[None, :]  # [BT, BK] offsets into q, k, g, w, ...
-    p_tA = ((bos + o_t[:, None]) * H + i_h) * BT + rows[None, :]  # [BT, BT] offsets into Aqk, Akk_inv, Mkk
-    b_g = tl.load(g + p_tk, mask=m_tk, other=0.0).to(tl.float32)  # padding rows: g = 0 (no decay)
-    b_G = tl.cumsum(b_g, 0)  # [BT, BK] in-chunk cumulative log-decay
-    b_gl = tl.sum(b_g, 0)  # [BK] G_C (padding rows add 0)
-    tl.store(gl + ((i_b.to(tl.int64) * NT + i_t) * H + i_h) * K + o_k, b_gl, mask=o_k < K)
-    b_k = tl.load(k + p_tk, mask=m_tk, other=0.0).to(tl.float32)
-    b_beta = tl.load(beta + (bos + o_t) * H + i_h, mask=m_t, other=0.0).to(tl.float32)
+    p_tA = o_t[:, None] * (H * BT) + rows[None, :]  # [BT, BT] offsets into Aqk, Akk_inv, Mkk
+    b_beta = tl.load(beta + o_t * H, mask=m_t, other=0.0).to(tl.float32)
 
     for I in tl.static_range(BT // BC):
         a = I * BC  # anchor row of the tile
         o_i = t0 + a + o_c  # [BC] token index of the tile's rows
         m_i = o_i < T
-        m_ik = m_i[:, None] & (o_k < K)[None, :]
-        p_ik = ((bos + o_i[:, None]) * H + i_h) * K + o_k[None, :]
-        b_qi = tl.load(q + p_ik, mask=m_ik, other=0.0).to(tl.float32)
-        b_ki = tl.load(k + p_ik, mask=m_ik, other=0.0).to(tl.float32)
-        b_bi = tl.load(beta + (bos + o_i) * H + i_h, mask=m_i, other=0.0).to(tl.float32)
-        b_z = decay_from_anchor(b_g, rows, a)  # [BT, BK] G_j − G_a
-        b_lc = tile_rows(b_z, I, BT, BC)  # [BC, BK] G_i − G_a for the tile's own rows
-        b_qf = tl.exp(b_lc)  # ≤ 1
-        # k̂_j = k_j exp(G_a − G_j): ≤ e^75 inside the tile (g ≥ −5), exactly 0 for keys after it
-        b_kh = b_k * tl.exp(tl.where(rows[:, None] < a + BC, -b_z, float("-inf")))
-        b_P = mm_fp32(b_qi * b_qf, tl.trans(b_kh), PREC)  # [BC, BT]
-        b_M = mm_fp32(b_ki * b_qf, tl.trans(b_kh), PREC)  # [BC, BT]
+        b_P = tl.zeros([BC, BT], dtype=tl.float32)
+        b_M = tl.zeros([BC, BT], dtype=tl.float32)
+        b_D = tl.zeros([BC, BC], dtype=tl.float32)
+        for i_k in range(tl.cdiv(K, BK)):
+            o_k = i_k * BK + tl.arange(0, BK)
+            m_tk = m_t[:, None] & (o_k < K)[None, :]
+            m_ik = m_i[:, None] & (o_k < K)[None, :]
+            p_tk = o_t[:, None] * (H * K) + o_k[None, :]
+            p_ik = o_i[:, None] * (H * K) + o_k[None, :]
+            b_g = tl.load(g + p_tk, mask=m_tk, other=0.0).to(tl.float32)  # padding rows: g = 0 (no decay)
+            b_k = tl.load(k + p_tk, mask=m_tk, other=0.0).to(tl.float32)
+            b_qi = tl.load(q + p_ik, mask=m_ik, other=0.0).to(tl.float32)
+            b_ki = tl.load(k + p_ik, mask=m_ik, other=0.0).to(tl.float32)
+            b_z = decay_from_anchor(b_g, rows, a)  # [BT, BK] G_j − G_a
+            b_lc = tile_rows(b_z, I, BT, BC)  # [BC, BK] G_i − G_a for the tile's own rows
+            b_qf = tl.exp(b_lc)  # ≤ 1
+            # k̂_j = k_j exp(G_a − G_j): ≤ e^75 inside the tile (g ≥ −5), exactly 0 for keys after it
+            b_kh = b_k * tl.exp(tl.where(rows[:, None] < a + BC, -b_z, float("-inf")))
+            b_P += mm_fp32(b_qi * b_qf, tl.trans(b_kh), PREC)  # [BC, BT]
+            b_M += mm_fp32(b_ki * b_qf, tl.trans(b_kh), PREC)  # [BC, BT]
+            b_D += mm_fp32(b_ki * b_qf, tl.trans(b_ki * tl.exp(-b_lc)), PREC)  # [BC, BC] diagonal tile of M
         b_P = tl.where((a + o_c)[:, None] >= rows[None, :], b_P * scale, 0.0)
         b_M = tl.where((a + o_c)[:, None] > rows[None, :], b_M, 0.0)
-        p_iA = ((bos + o_i[:, None]) * H + i_h) * BT + rows[None, :]
+        p_iA = o_i[:, None] * (H * BT) + rows[None, :]
         tl.store(Aqk + p_iA, b_P, mask=m_i[:, None])
         tl.store(Mkk + p_iA, b_M, mask=m_i[:, None])
 
-        # UT transform, block row I: X_I = (I + L_II)⁻¹ (E_I − L_{I,<I} X_{<I})
-        b_kf = tl.exp(-b_lc)  # [BC, BK] exp(G_a − G_i) ≤ e^75
-        b_D = mm_fp32(b_ki * b_qf, tl.trans(b_ki * b_kf), PREC) * b_bi[:, None]  # [BC, BC] diagonal tile of L
-        b_D = tl.where(o_c[:, None] > o_c[None, :], b_D, 0.0)
+        # UT transform, block row I: X_I = (I + L_II)⁻¹ (E_I − L_{I,<I} X_{<I}),  L = Diag(β) M
+        b_bi = tl.load(beta + o_i * H, mask=m_i, other=0.0).to(tl.float32)
+        b_D = tl.where(o_c[:, None] > o_c[None, :], b_D * b_bi[:, None], 0.0)
         b_Dinv = invert_unit_lower_16(b_D, BC)
         b_R = tl.where((a + o_c)[:, None] == rows[None, :], 1.0, 0.0)  # E_I [BC, BT]
         if I > 0:
@@ -179,16 +182,23 @@ def kda_fwd_intra_kernel(
         tl.debug_barrier()  # the next tile (and W, U below) read these rows back
 
     b_Ai = tl.load(Akk_inv + p_tA, mask=m_t[:, None], other=0.0)  # [BT, BT] A⁻¹
-    b_gam = tl.exp(b_G)  # Γ ≤ 1
-    b_w = mm_fp32(b_Ai, b_k * b_beta[:, None] * b_gam, PREC)
-    tl.store(w + p_tk, b_w.to(w.dtype.element_ty), mask=m_tk)
-    tl.store(kg + p_tk, (b_k * tl.exp(decay_to_end(b_g))).to(kg.dtype.element_ty), mask=m_tk)
-    b_q = tl.load(q + p_tk, mask=m_tk, other=0.0).to(tl.float32)
-    tl.store(qg + p_tk, (b_q * b_gam * scale).to(qg.dtype.element_ty), mask=m_tk)
+    for i_k in range(tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_tk = m_t[:, None] & (o_k < K)[None, :]
+        p_tk = o_t[:, None] * (H * K) + o_k[None, :]
+        b_g = tl.load(g + p_tk, mask=m_tk, other=0.0).to(tl.float32)
+        b_k = tl.load(k + p_tk, mask=m_tk, other=0.0).to(tl.float32)
+        b_gam = tl.exp(tl.cumsum(b_g, 0))  # Γ ≤ 1
+        b_w = mm_fp32(b_Ai, b_k * b_beta[:, None] * b_gam, PREC)
+        tl.store(w + p_tk, b_w.to(w.dtype.element_ty), mask=m_tk)
+        tl.store(kg + p_tk, (b_k * tl.exp(decay_to_end(b_g))).to(kg.dtype.element_ty), mask=m_tk)
+        b_q = tl.load(q + p_tk, mask=m_tk, other=0.0).to(tl.float32)
+        tl.store(qg + p_tk, (b_q * b_gam * scale).to(qg.dtype.element_ty), mask=m_tk)
+        tl.store(gl + o_k, tl.sum(b_g, 0), mask=o_k < K)  # G_C (padding rows add 0)
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_tv = m_t[:, None] & (o_v < V)[None, :]
-        p_tv = ((bos + o_t[:, None]) * H + i_h) * V + o_v[None, :]
+        p_tv = o_t[:, None] * (H * V) + o_v[None, :]
         b_v = tl.load(v + p_tv, mask=m_tv, other=0.0).to(tl.float32)
         b_u = mm_fp32(b_Ai, b_v * b_beta[:, None], PREC)
         tl.store(u + p_tv, b_u.to(u.dtype.element_ty), mask=m_tv)
@@ -212,7 +222,8 @@ def kda_fwd_state_kernel(
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     NT = tl.cdiv(T, BT)
-    bos = i_b.to(tl.int64) * T
+    seq = i_b.to(tl.int64) * T * H + i_h
+    w, kg, u, v_new = w + seq * K, kg + seq * K, u + seq * V, v_new + seq * V
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_k = o_k < K
@@ -226,8 +237,8 @@ def kda_fwd_state_kernel(
         tl.store(hs + ((i_b.to(tl.int64) * NT + i_t) * H + i_h) * K * V + p_kv, b_h.to(hs.dtype.element_ty), mask=m_kv)
         o_t = i_t * BT + tl.arange(0, BT)
         m_t = o_t < T
-        p_tk = ((bos + o_t[:, None]) * H + i_h) * K + o_k[None, :]
-        p_tv = ((bos + o_t[:, None]) * H + i_h) * V + o_v[None, :]
+        p_tk = o_t[:, None] * (H * K) + o_k[None, :]
+        p_tv = o_t[:, None] * (H * V) + o_v[None, :]
         m_tk = m_t[:, None] & m_k[None, :]
         m_tv = m_t[:, None] & (o_v < V)[None, :]
         b_w = tl.load(w + p_tk, mask=m_tk, other=0.0)
@@ -254,7 +265,8 @@ def kda_fwd_output_kernel(
     i_t, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     NT = tl.cdiv(T, BT)
-    bos = i_b.to(tl.int64) * T
+    seq = i_b.to(tl.int64) * T * H + i_h
+    qg, Aqk, v_new, o = qg + seq * K, Aqk + seq * BT, v_new + seq * V, o + seq * V
     rows = tl.arange(0, BT)
     o_t = i_t * BT + rows
     m_t = o_t < T
@@ -264,13 +276,13 @@ def kda_fwd_output_kernel(
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = o_k < K
-        b_qg = tl.load(qg + ((bos + o_t[:, None]) * H + i_h) * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :],
+        b_qg = tl.load(qg + o_t[:, None] * (H * K) + o_k[None, :], mask=m_t[:, None] & m_k[None, :],
                        other=0.0)
         b_h = tl.load(hs + ((i_b.to(tl.int64) * NT + i_t) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :],
                       mask=m_k[:, None] & (o_v < V)[None, :], other=0.0)
         b_o += mm(b_qg, b_h, DT, PREC)
-    b_A = tl.load(Aqk + ((bos + o_t[:, None]) * H + i_h) * BT + rows[None, :], mask=m_t[:, None], other=0.0)
-    p_tv = ((bos + o_t[:, None]) * H + i_h) * V + o_v[None, :]
+    b_A = tl.load(Aqk + o_t[:, None] * (H * BT) + rows[None, :], mask=m_t[:, None], other=0.0)
+    p_tv = o_t[:, None] * (H * V) + o_v[None, :]
     b_vn = tl.load(v_new + p_tv, mask=m_tv, other=0.0)
     b_o += mm_fp32(b_A, b_vn, PREC)
     tl.store(o + p_tv, b_o.to(o.dtype.element_ty), mask=m_tv)

@@ -30,14 +30,15 @@ from k3lab.mixers.lineage import check_decay, check_mixer_inputs, compute_dtype,
 Tensor = torch.Tensor
 
 
-def decayed_scores(a: Tensor, b: Tensor, G: Tensor, strict: bool) -> Tensor:
-    """``M_ij = Σ_d a_id b_jd exp(G_id − G_jd)`` for ``j < i`` (strict) or ``j ≤ i``, else 0.
+def decayed_scores(a: Tensor, b: Tensor, G: Tensor) -> Tensor:
+    """``M_ij = Σ_d a_id b_jd exp(G_id − G_jd)`` for ``j ≤ i``, 0 above the diagonal.
 
-    a, b: ``[..., C, K]``; G: ``[..., C, K]`` per channel or ``[..., C, 1]`` one decay for all
+    a: ``[..., C, K]`` (a leading extra dim scores several row tensors against one ``b``, sharing the
+    decay); b: ``[..., C, K]``; G: ``[..., C, K]`` per channel or ``[..., C, 1]`` one decay for all
     channels (then ``M = (a bᵀ) ⊙ exp(G_i − G_j)`` without the ``[C, C, K]`` tensor). Returns ``[..., C, C]``.
     """
     C = a.shape[-2]
-    keep = torch.ones(C, C, dtype=torch.bool, device=a.device).tril(-1 if strict else 0)  # [C, C]
+    keep = torch.ones(C, C, dtype=torch.bool, device=a.device).tril()  # [C, C], j ≤ i
     diff = (G[..., :, None, :] - G[..., None, :, :]).masked_fill(~keep[:, :, None], -math.inf)  # [..., C, C, K|1]
     decay = torch.exp(diff)  # ≤ 1 where kept, exactly 0 above the diagonal (and no inf·0 in the backward)
     if G.shape[-1] == 1:
@@ -88,13 +89,14 @@ def delta_rule_chunk(
     gamma = torch.exp(G)  # Γ_r
     gamma_last = gamma[..., -1:, :]  # Γ_C [B, H, N, 1, K|1]
     k_to_end = torch.exp(G[..., -1:, :] - G) * k  # K̃_r = exp(G_C − G_r) ⊙ k_r
-    A = decayed_scores(q, k, G, strict=False)  # [B, H, N, C, C]
     if beta is None:
+        A = decayed_scores(q, k, G)  # [B, H, N, C, C]
         W, U = None, v
     else:
+        A, KK = decayed_scores(torch.stack([q, k]), k, G)  # one decay tensor for both: [B, H, N, C, C] each
         b = to_chunks(beta.to(dtype), C)[..., None]  # [B, H, N, C, 1]
         eye = torch.eye(C, dtype=dtype, device=q.device)
-        I_plus_L = eye + b * decayed_scores(k, k, G, strict=True)  # unit lower-triangular
+        I_plus_L = eye + b * KK.tril(-1)  # unit lower-triangular, L strictly below the diagonal
         rhs = torch.cat([b * gamma * k, b * v], dim=-1)  # Diag(β) [Γ ⊙ K, V]
         WU = torch.linalg.solve_triangular(I_plus_L, rhs, upper=False, unitriangular=True)
         W, U = WU[..., :K], WU[..., K:]  # W = T (Γ ⊙ K), U = T V

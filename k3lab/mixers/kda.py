@@ -99,8 +99,8 @@ def causal_conv1d(x: Tensor, weight: Tensor, conv_state: Tensor | None = None) -
     xs = torch.cat([conv_state.to(x.dtype), x.transpose(1, 2)], dim=-1)  # [B, D, W-1+T]
     dtype = torch.promote_types(x.dtype, weight.dtype)
     taps = weight.to(dtype)[:, 0, :, None]  # [D, W, 1]
-    xs_c = xs.to(dtype)
-    y = sum(taps[:, w] * xs_c[..., w : w + T] for w in range(W))  # [B, D, T]; W taps beat a depthwise conv1d kernel
+    window = xs.to(dtype)
+    y = sum(taps[:, w] * window[..., w : w + T] for w in range(W))  # [B, D, T]; W taps beat a depthwise conv1d kernel
     return y.transpose(1, 2).to(x.dtype), xs[..., T:]
 
 
@@ -144,11 +144,7 @@ class KDA(nn.Module):
 
     def __init__(self, cfg, layer_idx: int):
         super().__init__()
-        lac = cfg.linear_attn_config
-        if cfg.kda_gate not in GATE_KINDS:
-            raise ValueError(f"kda_gate={cfg.kda_gate!r}: allowed values are {GATE_KINDS}")
-        if not lac["gate_lower_bound"] < 0:
-            raise ValueError(f"linear_attn_config.gate_lower_bound={lac['gate_lower_bound']}: must be < 0 (K3: -5.0)")
+        lac = cfg.linear_attn_config  # validated by ModelConfig: kda_gate in GATE_KINDS, gate_lower_bound < 0
         self.cfg = cfg
         self.layer_idx = layer_idx
         self.gate_kind = cfg.kda_gate

@@ -16,8 +16,9 @@ Three separable pieces, so that expert parallelism replaces only the middle one:
 1. routing: :class:`~k3lab.moe.router.SigmoidRouter` → RouterOutput (scores, top-k, weights, cutoff);
 2. dispatch/combine: :class:`LocalDispatcher` sorts the N·k token slots by expert into contiguous groups
    and puts them back (an EP all-to-all would do the same across ranks);
-3. expert compute: :class:`RoutedExperts` on the sorted slots, with a reference loop over experts and a
-   grouped-GEMM path (``torch.nn.functional.grouped_mm``, CUDA + bf16) that agree.
+3. expert compute: :class:`RoutedExperts` on the sorted slots: a reference loop over experts, a
+   grouped-GEMM path (``torch.nn.functional.grouped_mm``, CUDA + bf16) and a padded batched-matmul path
+   (few large ops instead of many small ones: the fast choice on CPU), all three equal.
 
 Checkpoint names: experts are stacked ``experts.w1 [E, I, L]`` (gate), ``experts.w3 [E, I, L]`` (up),
 ``experts.w2 [E, L, I]`` (down); :func:`split_expert_weights` / :func:`merge_expert_weights` convert to
@@ -35,7 +36,7 @@ from torch import Tensor, nn
 from k3lab.moe.router import SigmoidRouter, make_balancer
 from k3lab.moe.situ import ACTIVATIONS, SiTUMLP, glu_activation
 
-EXPERT_IMPLS = ("auto", "reference", "grouped")
+EXPERT_IMPLS = ("auto", "reference", "padded", "grouped")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -81,7 +82,9 @@ class RoutedExperts(nn.Module):
     """E gated experts stacked along dim 0: ``w1, w3 [E, I, L]``, ``w2 [E, L, I]`` (no biases).
 
     forward(x_sorted [S, L], counts [E]) -> [S, L]: rows ``[offs_{e-1}, offs_e)`` go through expert e,
-    ``E_e(z) = w2_e · act(w1_e z, w3_e z)``.
+    ``E_e(z) = w2_e · act(w1_e z, w3_e z)``. ``impl``: "reference" (loop), "grouped" (``F.grouped_mm``;
+    its backward needs CUDA), "padded" (``bmm`` on ``[E, max count, L]``), "auto" = grouped on CUDA
+    with bf16 input, padded otherwise.
     """
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, act: str = "situ", beta: float = 4.0,
@@ -100,8 +103,8 @@ class RoutedExperts(nn.Module):
     def forward(self, x: Tensor, counts: Tensor) -> Tensor:
         impl = self.impl
         if impl == "auto":
-            impl = "grouped" if grouped_mm_available(x) else "reference"
-        return self.forward_grouped(x, counts) if impl == "grouped" else self.forward_reference(x, counts)
+            impl = "grouped" if grouped_mm_available(x) else "padded"
+        return getattr(self, f"forward_{impl}")(x, counts)
 
     def _act(self, gate: Tensor, up: Tensor) -> Tensor:
         return glu_activation(gate, up, self.act, self.beta, self.linear_beta)
@@ -113,6 +116,16 @@ class RoutedExperts(nn.Module):
             h = self._act(xe @ self.w1[e].T, xe @ self.w3[e].T)                     # [S_e, I]
             outs.append(h @ self.w2[e].T)                                           # [S_e, L]
         return torch.cat(outs)
+
+    def forward_padded(self, x: Tensor, counts: Tensor) -> Tensor:
+        """Scatter the groups into ``[E, C, L]`` (C = largest group, zero padding), three ``bmm``, gather back."""
+        E, S = counts.numel(), x.shape[0]
+        starts = counts.cumsum(0) - counts                                          # [E]
+        expert = torch.repeat_interleave(torch.arange(E, device=x.device), counts, output_size=S)  # [S]
+        slot = torch.arange(S, device=x.device) - starts[expert]                    # [S] position in its group
+        x_pad = x.new_zeros(E, int(counts.max()), x.shape[1]).index_put((expert, slot), x)  # [E, C, L]
+        h = self._act(torch.bmm(x_pad, self.w1.mT), torch.bmm(x_pad, self.w3.mT))  # [E, C, I]
+        return torch.bmm(h, self.w2.mT)[expert, slot]                               # [S, L]
 
     def forward_grouped(self, x: Tensor, counts: Tensor) -> Tensor:
         """One ``F.grouped_mm`` per projection over the jagged groups (offsets = cumulative counts)."""

@@ -1,0 +1,135 @@
+"""k3lab's Triton KDA kernels (k3lab.kernels) against the torch reference k3lab.mixers.chunk.kda_chunk.
+
+Fresh random inputs per case, the K3 gate ``g = −5·σ(z)`` (K3 spec §2.1), forward output, final
+state and every gradient (q, k, v, g, beta, initial_state), against the reference in float64.
+
+On CPU the kernels run under Triton's interpreter, which has to be on before the kernels are
+decorated (and another test module may import triton first): ``test_interpreter_suite`` re-runs
+this file in a fresh process with ``TRITON_INTERPRET=1``, where the kernel tests run at tiny shapes.
+On a CUDA machine they run directly, and the ``gpu`` tests add model-size shapes.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from k3lab.kernels import kda_chunk, kda_decode_step
+from k3lab.mixers.chunk import kda_chunk as reference_chunk
+from k3lab.testing import assert_close
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+KERNELS_RUN_HERE = INTERPRETED or torch.cuda.is_available()
+DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRETED else "cpu"
+TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2}  # relative error, K3 brief
+GATE_LOWER_BOUND = -5.0
+
+needs_kernels = pytest.mark.skipif(not KERNELS_RUN_HERE, reason="runs in test_interpreter_suite's subprocess")
+
+
+def kda_inputs(B, T, H, K, V, dtype, seed, with_state=True):
+    """Random inputs with the layer's conventions: L2-normalised q, k; K3's bounded gate; σ(β)."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    q = F.normalize(randn(B, T, H, K), dim=-1)
+    k = F.normalize(randn(B, T, H, K), dim=-1)
+    v = randn(B, T, H, V)
+    g = GATE_LOWER_BOUND * torch.sigmoid(randn(B, T, H, K) + 1.0)  # mean ≈ −3.6: a hard case for the tiles
+    beta = torch.sigmoid(randn(B, T, H))
+    h0 = randn(B, H, K, V) if with_state else None
+    acts = [x.to(dtype).to(DEVICE) for x in (q, k, v, beta)]
+    return acts[0], acts[1], acts[2], g.to(DEVICE), acts[3], None if h0 is None else h0.to(DEVICE)
+
+
+def check_against_reference(B, T, H, K, V, dtype, seed, with_state=True):
+    q, k, v, g, beta, h0 = kda_inputs(B, T, H, K, V, dtype, seed, with_state)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, g, beta)]
+    h0_leaf = None if h0 is None else h0.clone().requires_grad_()
+    o, ht = kda_chunk(*leaves, initial_state=h0_leaf, output_final_state=True)
+    gen = torch.Generator().manual_seed(seed + 1)
+    do = torch.randn(o.shape, generator=gen).to(o.dtype).to(DEVICE)
+    dht = torch.randn(ht.shape, generator=gen).to(DEVICE)
+    torch.autograd.backward([o, ht], [do, dht])
+
+    ref_leaves = [x.detach().double().requires_grad_() for x in (q, k, v, g, beta)]
+    ref_h0 = None if h0 is None else h0.double().requires_grad_()
+    o_ref, ht_ref = reference_chunk(*ref_leaves, initial_state=ref_h0, output_final_state=True)
+    torch.autograd.backward([o_ref, ht_ref], [do.double(), dht.double()])
+
+    tol = TOL[dtype]
+    assert o.dtype == v.dtype and ht.dtype == torch.float32
+    assert_close("o", o_ref, o, tol)
+    assert_close("final_state", ht_ref, ht, tol)
+    for name, got, ref in zip(("dq", "dk", "dv", "dg", "dbeta"), leaves, ref_leaves):
+        assert got.grad.dtype == got.dtype
+        assert_close(name, ref.grad, got.grad, tol)
+    if h0 is not None:
+        assert_close("dh0", ref_h0.grad, h0_leaf.grad, tol)
+
+
+@pytest.mark.skipif(KERNELS_RUN_HERE, reason="the kernel tests run directly here")
+def test_interpreter_suite():
+    """Run this file's kernel tests on CPU under TRITON_INTERPRET=1 in a fresh interpreter."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-o", "addopts=", "-p", "no:cacheprovider",
+           "-m", "not gpu", "-k", "not interpreter_suite"]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
+
+
+@needs_kernels
+@pytest.mark.parametrize(
+    "B, T, H, K, V, with_state",
+    [(1, 64, 1, 16, 16, True), (2, 37, 2, 16, 32, False), (1, 130, 1, 32, 16, True)],
+    ids=["B1-T64-H1-K16-V16-h0", "B2-T37-H2-K16-V32", "B1-T130-H1-K32-V16-h0"],
+)
+def test_chunk_fp32(B, T, H, K, V, with_state):
+    check_against_reference(B, T, H, K, V, torch.float32, seed=T, with_state=with_state)
+
+
+@needs_kernels
+def test_chunk_bf16():
+    check_against_reference(1, 100, 2, 16, 32, torch.bfloat16, seed=7)
+
+
+@needs_kernels
+def test_decode_step_continues_the_chunked_prefill():
+    """Prefill T tokens with kda_chunk, decode token T+1 with kda_decode_step: same as one pass."""
+    q, k, v, g, beta, h0 = kda_inputs(2, 21, 2, 16, 32, torch.float32, seed=3)
+    o_all, s_all = reference_chunk(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    _, s_prefix = kda_chunk(q[:, :-1], k[:, :-1], v[:, :-1], g[:, :-1], beta[:, :-1], initial_state=h0,
+                            output_final_state=True)
+    o_step, s_step = kda_decode_step(q[:, -1:], k[:, -1:], v[:, -1:], g[:, -1:], beta[:, -1:], s_prefix)
+    assert o_step.shape == (2, 1, 2, 32) and s_step.dtype == torch.float32
+    assert_close("decode o", o_all[:, -1:], o_step, TOL[torch.float32])
+    assert_close("decode state", s_all, s_step, TOL[torch.float32])
+    o_zero, _ = kda_decode_step(q[:, :1], k[:, :1], v[:, :1], g[:, :1], beta[:, :1], None)
+    o_ref, _ = reference_chunk(q[:, :1], k[:, :1], v[:, :1], g[:, :1], beta[:, :1])
+    assert_close("decode from zero state", o_ref, o_zero, TOL[torch.float32])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("T", [1000, 4096], ids=["T1000", "T4096"])
+def test_chunk_gpu_model_size(T, dtype):
+    check_against_reference(2, T, 4, 128, 128, dtype, seed=T)
+
+
+def test_bad_inputs_raise():
+    q = torch.zeros(1, 8, 2, 16)
+    v, beta = torch.zeros(1, 8, 2, 16), torch.zeros(1, 8, 2)
+    with pytest.raises(ValueError, match="beta"):
+        kda_chunk(q, q, v, q, beta[..., None])
+    with pytest.raises(ValueError, match="k"):
+        kda_chunk(q, q[:, :4], v, q, beta)
+    with pytest.raises(ValueError, match="initial_state"):
+        kda_chunk(q, q, v, q, beta, initial_state=torch.zeros(1, 2, 16, 8))
+    with pytest.raises(ValueError, match="T == 1"):
+        kda_decode_step(q, q, v, q, beta, None)
