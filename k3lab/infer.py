@@ -7,6 +7,8 @@ layer (the absorbed-form latent). A decode step costs O(1) in KDA and O(context)
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 Tensor = torch.Tensor
@@ -61,8 +63,6 @@ def measure_inference(model, context: int, decode_tokens: int = 16, batch_size: 
 
     Returns dict(context, prefill_s, decode_s_per_token, cache_bytes).
     """
-    import time
-
     if context < 1 or decode_tokens < 1:
         raise ValueError(f"context={context} and decode_tokens={decode_tokens}: both must be >= 1")
     device = next(model.parameters()).device
@@ -81,3 +81,18 @@ def measure_inference(model, context: int, decode_tokens: int = 16, batch_size: 
     _sync(device)
     decode_s = (time.perf_counter() - t0) / decode_tokens
     return dict(context=context, prefill_s=prefill_s, decode_s_per_token=decode_s, cache_bytes=cache_bytes)
+
+
+@torch.no_grad()
+def token_losses(model, input_ids: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+    """Per-token cross-entropy and greedy correctness, for per-position curves beyond a training length.
+
+    input_ids, labels: [B, T] (pre-aligned, -100 = no label). Returns (ce [B, T] float32 with NaN where
+    the label is -100, correct [B, T] bool, False there), on the CPU. One forward pass, eval mode.
+    """
+    model.eval()
+    logits = model(input_ids).logits.float()  # [B, T, vocab]
+    valid = labels != -100
+    ce = torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels.clamp_min(0), reduction="none")
+    correct = (logits.argmax(-1) == labels) & valid
+    return ce.masked_fill(~valid, float("nan")).cpu(), correct.cpu()

@@ -7,9 +7,10 @@ Which parameter gets which update (K3 spec §11, Moonlight/K2 practice):
   A parameter named in a module's ``muon_head_splits`` (``{"q_proj": H, ...}``) is orthogonalised
   per head: its momentum ``[H·R_h, C]`` is viewed as ``[H, R_h, C]`` and each head's block goes
   through Newton–Schulz separately (K3 "Per-Head Muon").
-* **AdamW with weight decay**: embeddings, the LM head (and every other ≥2-D parameter Muon does not
-  take: short-conv kernels ``[C, 1, W]``, ``[1, D]`` projections such as the AttnRes queries).
-* **AdamW without weight decay**: every 1-D parameter — norm gains, biases, ``A_log``, ``dt_bias``.
+* **AdamW with weight decay**: embeddings and the LM head (and any other matrix Muon does not take).
+* **AdamW without weight decay**: vectors — every 1-D parameter (norm gains, biases, ``A_log``,
+  ``dt_bias``) and every parameter with a dimension of size 1 (``[1, D]`` AttnRes pseudo-queries,
+  depthwise short-conv kernels ``[C, 1, W]``), which are gains in matrix clothing.
 
 Parameters with ``requires_grad=False`` (the router's ``e_score_correction_bias``) are left out.
 
@@ -74,9 +75,9 @@ def param_groups(model: nn.Module) -> dict[str, list[tuple[str, nn.Parameter]]]:
     for name, p in model.named_parameters():  # named_parameters() already drops tied duplicates
         if not p.requires_grad:
             continue
-        if p.ndim < 2:
+        if p.ndim < 2 or min(p.shape) == 1:
             groups["adamw_no_decay"].append((name, p))
-        elif id(p) not in adamw_only and p.ndim in (2, 3) and min(p.shape[-2:]) > 1:
+        elif id(p) not in adamw_only and p.ndim in (2, 3):
             groups["muon"].append((name, p))
         else:
             groups["adamw_decay"].append((name, p))

@@ -90,8 +90,29 @@ class TinyLM(nn.Module):
 def test_param_groups_rule():
     g = {k: sorted(n for n, _ in v) for k, v in param_groups(TinyLM()).items()}
     assert g == {"muon": ["attn.q_proj.weight", "experts"],
-                 "adamw_decay": ["conv.weight", "embed_tokens.weight", "lm_head.weight"],
-                 "adamw_no_decay": ["lm_head.bias", "norm.weight"]}
+                 "adamw_decay": ["embed_tokens.weight", "lm_head.weight"],
+                 "adamw_no_decay": ["conv.weight", "lm_head.bias", "norm.weight"]}
+
+
+def test_k3_model_groups_and_head_splits():
+    from k3lab.config import ModelConfig
+    from k3lab.model import K3ForCausalLM
+
+    cfg = ModelConfig.preset("tiny")
+    model = K3ForCausalLM(cfg)
+    g = {k: {n for n, _ in v} for k, v in param_groups(model).items()}
+    assert "model.embed_tokens.weight" in g["adamw_decay"] and "lm_head.weight" in g["adamw_decay"]
+    assert not any(n.endswith("e_score_correction_bias") for v in g.values() for n in v)
+    assert all(not n.endswith(("norm.weight", "res_proj.weight", "A_log", "dt_bias")) for n in g["muon"] | g["adamw_decay"])
+    assert any(n.endswith("experts.w1") for n in g["muon"]) and any(n.endswith("gate.weight") for n in g["muon"])
+    opt = build_optimizer(model, name="muon", lr=1e-3)
+    named = {id(p): n for n, p in model.named_parameters()}
+    heads = {named[id(p)]: h for grp in opt.param_groups if grp["use_muon"] for p, h in zip(grp["params"], grp["heads"])}
+    mla, kda = cfg.full_attn_layers[0] - 1, 0
+    assert heads[f"model.layers.{mla}.self_attn.q_b_proj.weight"] == cfg.num_attention_heads
+    assert heads[f"model.layers.{mla}.self_attn.kv_b_proj.weight"] == cfg.num_attention_heads
+    assert heads[f"model.layers.{kda}.self_attn.v_proj.weight"] == cfg.kda_heads
+    assert heads[f"model.layers.{kda}.self_attn.o_proj.weight"] == 1
 
 
 @pytest.mark.parametrize("name", ["adamw", "muon"])

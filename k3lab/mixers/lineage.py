@@ -195,7 +195,9 @@ def gated_deltanet_recurrent(q, k, v, g, beta, scale=None, initial_state=None, o
 
 
 def kda_recurrent(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=True):
-    r"""KDA, Kimi Delta Attention (K3 spec §2.2): ``S_t = (I − β_t k_t k_tᵀ) Diag(α_t) S_{t-1} + β_t k_t v_tᵀ``.
+    r"""KDA, Kimi Delta Attention (K3 spec §2.2).
+
+    ``S_t = (I − β_t k_t k_tᵀ) Diag(α_t) S_{t-1} + β_t k_t v_tᵀ`` with ``α_t = exp(g_t)``.
 
     What changed vs Gated DeltaNet: the decay is per key channel, ``g: [B, T, H, K]``, so each of
     the K rows of the state forgets at its own data-dependent rate (fine-grained, RoPE-like

@@ -21,17 +21,22 @@ from k3lab.testing import rel_err
 
 Tensor = torch.Tensor
 
-# fla's anchor measurements (K3 spec §2.3; ../shared/anchors/MEASURED.md, kda_anchor.py): chunk_kda fwd / fwd+bwd in ms,
-# bf16, H=16, head dim 128, q/k L2-normalised; "softplus" = Kimi Linear's gate, "safe" = safe_gate=True, lower_bound=-5.
-FLA_SAFE_GATE_ANCHOR = {
-    "measured": "2026-11-29, one NVIDIA H200 (141 GB), driver 580, torch 2.11.0+cu130, triton 3.6.0, fla 0.6.0, "
-                "medians of triton.testing.do_bench",
-    "rows": [  # (B, T, softplus fwd, safe fwd, softplus fwd+bwd, safe fwd+bwd)
-        (8, 4096, 1.754, 1.553, 9.928, 8.143),
-        (2, 16384, 2.135, 1.930, 11.005, 9.236),
-        (1, 65536, 5.365, 4.957, 25.449, 21.871),
-    ],
-}
+# fla's chunk_kda, Kimi Linear's softplus gate vs K3's safe_gate (K3 spec §2.3): median ms, bf16, H=16, head dim 128,
+# q/k L2-normalised, gates precomputed in fp32. Rows: (B, T, softplus fwd, safe fwd, softplus fwd+bwd, safe fwd+bwd).
+FLA_SAFE_GATE_RUNS = [
+    {
+        "measured": "2026-11-29, ../shared/anchors/kda_anchor.py (MEASURED.md): one NVIDIA H200 (141 GB), driver 580, "
+                    "torch 2.11.0+cu130, triton 3.6.0, fla 0.6.0, triton.testing.do_bench medians",
+        "rows": [(8, 4096, 1.754, 1.553, 9.928, 8.143), (2, 16384, 2.135, 1.930, 11.005, 9.236),
+                 (1, 65536, 5.365, 4.957, 25.449, 21.871)],
+    },
+    {
+        "measured": "2026-11-29, k3lab.mixers.numerics.time_fla_chunk_kda: one NVIDIA H200, driver 580.159.04, "
+                    "torch 2.11.0+cu130, triton 3.6.0, fla 0.6.0, triton.testing.do_bench medians",
+        "rows": [(8, 4096, 1.757, 1.549, 10.252, 7.755), (2, 16384, 2.162, 1.954, 11.395, 8.900),
+                 (1, 65536, 5.422, 5.017, 26.155, 21.213)],
+    },
+]
 
 
 def log_range(dtype: torch.dtype) -> tuple[float, float]:
@@ -89,7 +94,7 @@ def pairwise_chunk_attention(q: Tensor, k: Tensor, v: Tensor, g: Tensor, tile_si
     B, T, H, _ = q.shape
     G = tile_log_decay(g, tile_size)
     qc, kc, vc = (to_chunks(x.double(), tile_size) for x in (q, k, v))
-    o = decayed_scores(qc, kc, G, strict=False) @ vc  # [B, H, N, C, V]
+    o = decayed_scores(qc, kc, G) @ vc  # [B, H, N, C, V]
     return o.permute(0, 2, 3, 1, 4).reshape(B, -1, H, v.shape[-1])[:, :T]
 
 

@@ -101,6 +101,8 @@ class RoutedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.randn(E, L, I) * init_std)
 
     def forward(self, x: Tensor, counts: Tensor) -> Tensor:
+        if x.is_cuda and torch.is_autocast_enabled("cuda"):
+            x = x.to(torch.get_autocast_dtype("cuda"))  # fp32 residual input (standard MoE) -> the grouped path
         impl = self.impl
         if impl == "auto":
             impl = "grouped" if grouped_mm_available(x) else "padded"

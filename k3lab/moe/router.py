@@ -100,7 +100,7 @@ def expert_load(topk_idx: Tensor, num_experts: int) -> Tensor:
     return torch.bincount(topk_idx.reshape(-1), minlength=num_experts)
 
 
-def max_violation(load: Tensor, top_k: int) -> float:
+def max_violation(load: Tensor) -> float:
     """``max_j load_j/target − 1`` with target = Σ load / E = N·k/E (0 = perfectly balanced)."""
     target = load.sum().item() / load.numel()
     return float(load.max().item() / target - 1.0) if target > 0 else 0.0
@@ -154,14 +154,14 @@ class Balancer:
 
     def metrics(self) -> dict:
         """``{"load": [E] int64, "max_violation": float}`` of the last completed step."""
-        return {"load": self.last_load, "max_violation": max_violation(self.last_load, self.top_k)}
+        return {"load": self.last_load, "max_violation": max_violation(self.last_load)}
 
 
 class AuxLossBalancer(Balancer):
     """Switch-style auxiliary loss, bias untouched: ``L = coef · E · Σ_j f_j · P_j``.
 
     f_j = slots routed to j / (N·k) (no gradient), P_j = mean_i s_ij / Σ_l s_il (gradient into W_r).
-    Equals ``coef`` at perfect balance.
+    Equals ``coef`` when both the loads and the mean scores are uniform.
     """
 
     def __init__(self, bias: Tensor, top_k: int, coef: float = 1e-2):

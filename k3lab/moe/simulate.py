@@ -116,7 +116,7 @@ class MaxViolationRecorder:
     def _hook(self, name: str):
         def hook(module, args, output):
             if module.training:
-                self.history[name].append(max_violation(module.balancer.load, module.top_k))
+                self.history[name].append(max_violation(module.balancer.load))
         return hook
 
     def remove(self) -> None:
