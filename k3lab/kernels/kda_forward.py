@@ -59,26 +59,59 @@ def mm_fp32(a, b, PREC: tl.constexpr):
 
 
 @triton.jit
-def decay_from_anchor(b_g, rows, a):
-    """``z_j = G_j − G_a`` for every row j of a chunk tile ``b_g [BT, BK]``, summed outwards from the
-    anchor row ``a`` rather than as a difference of two chunk-level cumsums: ``G`` itself reaches −300
-    in fp32, and ``G_j − G_a`` taken from it would carry an absolute error of ~1e-5 into every factor."""
-    after = tl.cumsum(tl.where(rows[:, None] > a, b_g, 0.0), 0)  # Σ_{a<r≤j} g_r
-    before = tl.cumsum(tl.where(rows[:, None] <= a, b_g, 0.0), 0, reverse=True) - b_g  # Σ_{j<r≤a} g_r
-    return tl.where(rows[:, None] >= a, after, -before)
+def tile_local_decay(b_g, BT: tl.constexpr, BC: tl.constexpr):
+    """``λ3 [BT/BC, BC, BK]``: ``λ_i = G_i − G_a = Σ_{a<r≤i} g_r`` for every row i, with ``a`` the first
+    row of its 16-token tile; always in (−75, 0] for g ≥ −5.
+
+    Summed inside the tile rather than taken as a difference of chunk-level cumsums: ``G`` itself
+    reaches −300 in fp32, and ``G_i − G_a`` taken from it would carry an absolute error of ~1e-5
+    into every rescaling factor."""
+    g3 = tl.reshape(b_g, [BT // BC, BC, b_g.shape[1]])
+    return tl.cumsum(tl.where(tl.arange(0, BC)[None, :, None] == 0, 0.0, g3), 1)
 
 
 @triton.jit
-def tile_rows(x, I, BT: tl.constexpr, BC: tl.constexpr):
-    """Rows ``I·BC .. I·BC + BC − 1`` of a register tile ``x [BT, N]`` as ``[BC, N]``, exactly (a reshape
-    and a masked sum), so that a tile's factors match the chunk-wide ones bit for bit."""
-    x3 = tl.reshape(x, [BT // BC, BC, x.shape[1]])
-    return tl.sum(tl.where(tl.arange(0, BT // BC)[:, None, None] == I, x3, 0.0), 0)
+def anchor_step(b_g, rows, L, BC: tl.constexpr):
+    """``G_{a(L+1)} − G_{a(L)}`` [BK]: the decay from the anchor of tile L to the anchor of tile L+1."""
+    return tl.sum(tl.where((rows[:, None] > L * BC) & (rows[:, None] <= (L + 1) * BC), b_g, 0.0), 0)
+
+
+@triton.jit
+def keys_to_anchor(b_g, rows, I, BC: tl.constexpr):
+    """``F [BT, BK]`` with ``F_j = exp(G_a − G_{a(J)})`` for a key j in tile J ≤ I (``a`` the anchor of tile
+    I; ≤ 1), 0 for keys after tile I. Times ``exp(−λ_j)`` it rescales key j to tile I's anchor."""
+    tile = rows // BC
+    F = tl.where(tile[:, None] == I, 1.0, 0.0)
+    d = tl.zeros([b_g.shape[1]], dtype=tl.float32)
+    for jj in tl.static_range(I):
+        J = I - 1 - jj
+        d += anchor_step(b_g, rows, J, BC)  # G_{a(J)} − ... summed tile by tile: D_IJ = G_a(I) − G_a(J) ≤ 0
+        F = tl.where(tile[:, None] == J, tl.exp(d)[None, :], F)
+    return F
+
+
+@triton.jit
+def queries_from_anchor(b_g, rows, J, BT: tl.constexpr, BC: tl.constexpr):
+    """``F [BT, BK]`` with ``F_i = exp(G_{a(L)} − G_a)`` for a row i in tile L ≥ J (``a`` the anchor of tile
+    J; ≤ 1), 0 for rows before tile J. Times ``exp(λ_i)`` it is ``exp(G_i − G_a)``."""
+    tile = rows // BC
+    F = tl.where(tile[:, None] == J, 1.0, 0.0)
+    d = tl.zeros([b_g.shape[1]], dtype=tl.float32)
+    for L in tl.static_range(J + 1, BT // BC):
+        d += anchor_step(b_g, rows, L - 1, BC)
+        F = tl.where(tile[:, None] == L, tl.exp(d)[None, :], F)
+    return F
+
+
+@triton.jit
+def tile_of(x3, I):
+    """Tile ``I`` of ``x3 [BT/BC, BC, N]`` as ``[BC, N]``, exactly (a masked sum over the tile axis)."""
+    return tl.sum(tl.where(tl.arange(0, x3.shape[0])[:, None, None] == I, x3, 0.0), 0)
 
 
 @triton.jit
 def decay_to_end(b_g):
-    """``G_C − G_r = Σ_{r' > r} g_r'`` (reverse cumsum, same accuracy argument as :func:`decay_from_anchor`)."""
+    """``G_C − G_r = Σ_{r' > r} g_r'`` (reverse cumsum, same accuracy argument as :func:`tile_local_decay`)."""
     return tl.cumsum(b_g, 0, reverse=True) - b_g
 
 
@@ -137,31 +170,29 @@ def kda_fwd_intra_kernel(
     p_tA = o_t[:, None] * (H * BT) + rows[None, :]  # [BT, BT] offsets into Aqk, Akk_inv, Mkk
     b_beta = tl.load(beta + o_t * H, mask=m_t, other=0.0).to(tl.float32)
 
+    o_k = tl.arange(0, BK)
+    m_tk = m_t[:, None] & (o_k < K)[None, :]
+    p_tk = o_t[:, None] * (H * K) + o_k[None, :]
+    b_g = tl.load(g + p_tk, mask=m_tk, other=0.0).to(tl.float32)  # padding rows: g = 0 (no decay)
+    b_lam3 = tile_local_decay(b_g, BT, BC)  # [NC, BC, BK] λ = G − G_anchor, inside each tile
+    # k_j exp(−λ_j): key j rescaled to its own tile's anchor, ≤ e^75 (g ≥ −5)
+    b_kl = tl.load(k + p_tk, mask=m_tk, other=0.0).to(tl.float32) * tl.exp(-tl.reshape(b_lam3, [BT, BK]))
+
     for I in tl.static_range(BT // BC):
         a = I * BC  # anchor row of the tile
         o_i = t0 + a + o_c  # [BC] token index of the tile's rows
         m_i = o_i < T
-        b_P = tl.zeros([BC, BT], dtype=tl.float32)
-        b_M = tl.zeros([BC, BT], dtype=tl.float32)
-        b_D = tl.zeros([BC, BC], dtype=tl.float32)
-        for i_k in range(tl.cdiv(K, BK)):
-            o_k = i_k * BK + tl.arange(0, BK)
-            m_tk = m_t[:, None] & (o_k < K)[None, :]
-            m_ik = m_i[:, None] & (o_k < K)[None, :]
-            p_tk = o_t[:, None] * (H * K) + o_k[None, :]
-            p_ik = o_i[:, None] * (H * K) + o_k[None, :]
-            b_g = tl.load(g + p_tk, mask=m_tk, other=0.0).to(tl.float32)  # padding rows: g = 0 (no decay)
-            b_k = tl.load(k + p_tk, mask=m_tk, other=0.0).to(tl.float32)
-            b_qi = tl.load(q + p_ik, mask=m_ik, other=0.0).to(tl.float32)
-            b_ki = tl.load(k + p_ik, mask=m_ik, other=0.0).to(tl.float32)
-            b_z = decay_from_anchor(b_g, rows, a)  # [BT, BK] G_j − G_a
-            b_lc = tile_rows(b_z, I, BT, BC)  # [BC, BK] G_i − G_a for the tile's own rows
-            b_qf = tl.exp(b_lc)  # ≤ 1
-            # k̂_j = k_j exp(G_a − G_j): ≤ e^75 inside the tile (g ≥ −5), exactly 0 for keys after it
-            b_kh = b_k * tl.exp(tl.where(rows[:, None] < a + BC, -b_z, float("-inf")))
-            b_P += mm_fp32(b_qi * b_qf, tl.trans(b_kh), PREC)  # [BC, BT]
-            b_M += mm_fp32(b_ki * b_qf, tl.trans(b_kh), PREC)  # [BC, BT]
-            b_D += mm_fp32(b_ki * b_qf, tl.trans(b_ki * tl.exp(-b_lc)), PREC)  # [BC, BC] diagonal tile of M
+        m_ik = m_i[:, None] & (o_k < K)[None, :]
+        p_ik = o_i[:, None] * (H * K) + o_k[None, :]
+        b_qi = tl.load(q + p_ik, mask=m_ik, other=0.0).to(tl.float32)
+        b_ki = tl.load(k + p_ik, mask=m_ik, other=0.0).to(tl.float32)
+        b_lam = tile_of(b_lam3, I)  # [BC, BK] G_i − G_a for the tile's own rows
+        b_qf = tl.exp(b_lam)  # ≤ 1
+        # k̂_j = k_j exp(G_a − G_j) = k_j exp(−λ_j) exp(G_a − G_{a(J)}): 0 for keys after the tile
+        b_kh = b_kl * keys_to_anchor(b_g, rows, I, BC)
+        b_P = mm_fp32(b_qi * b_qf, tl.trans(b_kh), PREC)  # [BC, BT]
+        b_M = mm_fp32(b_ki * b_qf, tl.trans(b_kh), PREC)  # [BC, BT]
+        b_D = mm_fp32(b_ki * b_qf, tl.trans(b_ki * tl.exp(-b_lam)), PREC)  # [BC, BC] diagonal tile of M
         b_P = tl.where((a + o_c)[:, None] >= rows[None, :], b_P * scale, 0.0)
         b_M = tl.where((a + o_c)[:, None] > rows[None, :], b_M, 0.0)
         p_iA = o_i[:, None] * (H * BT) + rows[None, :]

@@ -83,7 +83,7 @@ def factored_chunk_attention(q: Tensor, k: Tensor, v: Tensor, g: Tensor, tile_si
     qc, kc, vc = (to_chunks(x, tile_size).to(dtype) for x in (q, k, v))  # [B, H, N, C, K|V]
     A = (qc * gamma) @ (kc * inv_gamma).transpose(-1, -2)  # [B, H, N, C, C]
     C = A.shape[-1]
-    keep = torch.ones(C, C, dtype=torch.bool).tril()
+    keep = torch.ones(C, C, dtype=torch.bool, device=A.device).tril()
     A = torch.where(keep, A, torch.zeros((), dtype=dtype))
     o = A @ vc  # [B, H, N, C, V]
     return o.permute(0, 2, 3, 1, 4).reshape(B, -1, H, v.shape[-1])[:, :T].double()
