@@ -33,7 +33,7 @@ ACTIVATION_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, tor
 # the widest value block that still gives at least `min_programs` programs, so long single sequences
 # (few B·H) still spread over the GPU's 132 SMs.
 LAUNCH = {
-    "fwd_intra": dict(BV=64, num_warps=4, num_stages=1),
+    "fwd_intra": dict(BK=64, BV=64, num_warps=4, num_stages=1),
     "fwd_state": dict(BV=(64, 32, 16), min_programs=128, num_warps=4, num_stages=2),
     "fwd_output": dict(BK=64, BV=64, num_warps=4, num_stages=2),
     "bwd_state": dict(BV=(64, 32, 16), min_programs=128, num_warps=4, num_stages=2),
@@ -106,8 +106,8 @@ def kda_forward(q, k, v, g, beta, scale, initial_state, output_final_state):
     Aqk, Akk_inv, Mkk = (torch.empty(B, T, H, CHUNK, **f32) for _ in range(3))
     kda_fwd_intra_kernel[(NT, B * H)](
         q, k, v, g, beta, qg, kg, w, u, gl, Aqk, Akk_inv, Mkk, scale, T,
-        H=H, K=K, V=V, BT=CHUNK, BC=TILE, BK=BK, BV=_block(V, LAUNCH["fwd_intra"]["BV"]), DT=DT, PREC=PREC,
-        **_launch("fwd_intra"))
+        H=H, K=K, V=V, BT=CHUNK, BC=TILE, BK=_block(K, LAUNCH["fwd_intra"]["BK"]),
+        BV=_block(V, LAUNCH["fwd_intra"]["BV"]), DT=DT, PREC=PREC, **_launch("fwd_intra"))
     hs = q.new_empty(B, NT, H, K, V)  # state entering each chunk
     v_new = torch.empty_like(v)
     final_state = torch.empty(B, H, K, V, **f32) if output_final_state else None

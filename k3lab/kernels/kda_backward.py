@@ -28,7 +28,7 @@ nothing sequential. With ``dS`` the gradient of the state *leaving* a chunk, and
 import triton
 import triton.language as tl
 
-from k3lab.kernels.kda_forward import (decay_to_end, keys_to_anchor, mm, mm_fp32, queries_from_anchor, tile_local_decay,
+from k3lab.kernels.kda_forward import (anchor_steps, decay_to_end, keys_to_anchor, mm, mm_fp32, queries_from_anchor, tile_local_decay,
                                        tile_of)
 
 
@@ -234,6 +234,7 @@ def kda_bwd_intra_kernel(
     b_q = tl.load(q + p_tk, mask=m_tk, other=0.0).to(tl.float32)
     b_k = tl.load(k + p_tk, mask=m_tk, other=0.0).to(tl.float32)
     b_kl = b_k / b_el  # k exp(−λ) ≤ e^75 |k|
+    b_s = anchor_steps(b_g, b_lam3, BT, BC)  # [NC, BK] G_{a(L+1)} − G_{a(L)}
     b_carry = tl.zeros([BK], dtype=tl.float32)  # Σ of dG over the later tiles
     for ii in tl.static_range(BT // BC):
         I = BT // BC - 1 - ii
@@ -242,8 +243,8 @@ def kda_bwd_intra_kernel(
         m_i = o_i < T
         m_ik = m_i[:, None] & m_k[None, :]
         p_ik = o_i[:, None] * (H * K) + o_k[None, :]
-        b_kh = b_kl * keys_to_anchor(b_g, rows, I, BC)  # k_j exp(G_a − G_j), keys up to the tile
-        b_e = b_el * queries_from_anchor(b_g, rows, I, BT, BC)  # exp(G_i − G_a), rows from the tile on
+        b_kh = b_kl * keys_to_anchor(b_s, I, BT, BC)  # k_j exp(G_a − G_j), keys up to the tile
+        b_e = b_el * queries_from_anchor(b_s, I, BT, BC)  # exp(G_i − G_a), rows from the tile on
         # score-gradient rows of the tile, and its columns (transposed)
         p_iA = o_i[:, None] * (H * BT) + rows[None, :]
         p_iAT = o_t[None, :] * (H * BT) + (a + o_c)[:, None]
