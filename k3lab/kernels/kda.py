@@ -90,18 +90,21 @@ def _check_inputs(q, k, v, g, beta, initial_state) -> None:
                          "before importing k3lab.kernels, or use the torch reference k3lab.mixers.chunk.kda_chunk")
 
 
+def _sizes(q: Tensor, v: Tensor):
+    """``B, T, H, K, V``, the number of chunks, the full key block, and the dot dtype/precision:
+    fp32 inputs multiply exactly (``ieee``), bf16/fp16 ones use tf32 where operands are computed in fp32."""
+    B, T, H, K = q.shape
+    PREC = "ieee" if q.dtype == torch.float32 else "tf32"
+    return B, T, H, K, v.shape[-1], triton.cdiv(T, CHUNK), _block(K, MAX_HEAD_DIM), ACTIVATION_DTYPES[q.dtype], PREC
+
+
 def kda_forward(q, k, v, g, beta, scale, initial_state, output_final_state):
     """Run the three forward kernels; returns ``(o, final_state or None, saved)`` with ``saved`` the
     tensors the backward reads (nothing sequential is recomputed there)."""
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    NT = triton.cdiv(T, CHUNK)
-    BK = _block(K, MAX_HEAD_DIM)
-    DT = ACTIVATION_DTYPES[q.dtype]
-    PREC = "ieee" if q.dtype == torch.float32 else "tf32"
+    B, T, H, K, V, NT, BK, DT, PREC = _sizes(q, v)
     f32 = dict(dtype=torch.float32, device=q.device)
     qg, kg, w = torch.empty_like(q), torch.empty_like(k), torch.empty_like(k)
-    u = torch.empty_like(v, dtype=torch.float32)  # fp32: Ṽ = U − W S cancels, and U rounded to bf16 doubled the error
+    u = torch.empty_like(v, dtype=torch.float32)  # fp32: Ṽ = U − W S cancels; U in bf16 doubled the error
     gl = torch.empty(B, NT, H, K, **f32)  # G_C per chunk
     Aqk, Akk_inv, Mkk = (torch.empty(B, T, H, CHUNK, **f32) for _ in range(3))
     kda_fwd_intra_kernel[(NT, B * H)](
@@ -127,12 +130,7 @@ def kda_forward(q, k, v, g, beta, scale, initial_state, output_final_state):
 def kda_backward(q, k, v, g, beta, scale, initial_state, saved, do, dht):
     """Run the three backward kernels; returns ``(dq, dk, dv, dg, dbeta, dh0 or None)``."""
     qg, kg, w, gl, Aqk, Akk_inv, Mkk, hs, v_new = saved
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    NT = triton.cdiv(T, CHUNK)
-    BK = _block(K, MAX_HEAD_DIM)
-    DT = ACTIVATION_DTYPES[q.dtype]
-    PREC = "ieee" if q.dtype == torch.float32 else "tf32"
+    B, T, H, K, V, NT, BK, DT, PREC = _sizes(q, v)
     f32 = dict(dtype=torch.float32, device=q.device)
     dhs = q.new_empty(B, NT, H, K, V)  # gradient of the state leaving each chunk
     dv_new = torch.empty_like(v, dtype=torch.float32)  # fp32: in bf16 it doubled the error of dv and dβ

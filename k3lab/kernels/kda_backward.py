@@ -28,8 +28,7 @@ nothing sequential. With ``dS`` the gradient of the state *leaving* a chunk, and
 import triton
 import triton.language as tl
 
-from k3lab.kernels.kda_forward import (anchor_steps, decay_to_end, keys_to_anchor, mm, mm_fp32, queries_from_anchor, tile_local_decay,
-                                       tile_of)
+from k3lab.kernels.kda_forward import decay_from_anchor, decay_to_end, mm, mm_fp32, tile_rows
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -64,7 +63,8 @@ def kda_bwd_state_kernel(
         b_dh = tl.zeros([BK, BV], dtype=tl.float32)
     for i_r in range(NT):
         i_t = NT - 1 - i_r
-        tl.store(dhs + ((i_b.to(tl.int64) * NT + i_t) * H + i_h) * K * V + p_kv, b_dh.to(dhs.dtype.element_ty), mask=m_kv)
+        p_dh = dhs + ((i_b.to(tl.int64) * NT + i_t) * H + i_h) * K * V
+        tl.store(p_dh + p_kv, b_dh.to(dhs.dtype.element_ty), mask=m_kv)
         o_t = i_t * BT + rows
         m_t = o_t < T
         p_tk = o_t[:, None] * (H * K) + o_k[None, :]
@@ -228,23 +228,19 @@ def kda_bwd_intra_kernel(
     m_tk = m_t[:, None] & m_k[None, :]
     o_c = tl.arange(0, BC)
     p_tk = o_t[:, None] * (H * K) + o_k[None, :]
-    b_g = tl.load(g + p_tk, mask=m_tk, other=0.0).to(tl.float32)
-    b_lam3 = tile_local_decay(b_g, BT, BC)  # [NC, BC, BK] λ = G − G_anchor, inside each tile
-    b_el = tl.exp(tl.reshape(b_lam3, [BT, BK]))  # exp(λ) ≤ 1
     b_q = tl.load(q + p_tk, mask=m_tk, other=0.0).to(tl.float32)
     b_k = tl.load(k + p_tk, mask=m_tk, other=0.0).to(tl.float32)
-    b_kl = b_k / b_el  # k exp(−λ) ≤ e^75 |k|
-    b_s = anchor_steps(b_g, b_lam3, BT, BC)  # [NC, BK] G_{a(L+1)} − G_{a(L)}
+    b_g = tl.load(g + p_tk, mask=m_tk, other=0.0).to(tl.float32)
     b_carry = tl.zeros([BK], dtype=tl.float32)  # Σ of dG over the later tiles
     for ii in tl.static_range(BT // BC):
-        I = BT // BC - 1 - ii
-        a = I * BC
+        a = (BT // BC - 1 - ii) * BC
         o_i = t0 + a + o_c
         m_i = o_i < T
         m_ik = m_i[:, None] & m_k[None, :]
         p_ik = o_i[:, None] * (H * K) + o_k[None, :]
-        b_kh = b_kl * keys_to_anchor(b_s, I, BT, BC)  # k_j exp(G_a − G_j), keys up to the tile
-        b_e = b_el * queries_from_anchor(b_s, I, BT, BC)  # exp(G_i − G_a), rows from the tile on
+        b_z = decay_from_anchor(b_g, rows, a)  # G_j − G_a
+        b_kh = b_k * tl.exp(tl.where(rows[:, None] < a + BC, -b_z, float("-inf")))  # keys up to the tile
+        b_e = tl.exp(tl.where(rows[:, None] >= a, b_z, float("-inf")))  # rows from the tile on, ≤ 1
         # score-gradient rows of the tile, and its columns (transposed)
         p_iA = o_i[:, None] * (H * BT) + rows[None, :]
         p_iAT = o_t[None, :] * (H * BT) + (a + o_c)[:, None]
@@ -254,7 +250,7 @@ def kda_bwd_intra_kernel(
         b_dMT = tl.load(dM + p_iAT, mask=m_t[None, :], other=0.0)
         b_qi = tl.load(q + p_ik, mask=m_ik, other=0.0).to(tl.float32)
         b_ki = tl.load(k + p_ik, mask=m_ik, other=0.0).to(tl.float32)
-        b_lc = tile_of(b_lam3, I)  # G_i − G_a on the tile's rows
+        b_lc = tile_rows(b_z, BT // BC - 1 - ii, BT, BC)  # G_i − G_a on the tile's rows
         b_qf = tl.exp(b_lc)
         b_dq_row = b_qf * mm_fp32(b_dP, b_kh, PREC)
         b_dk_row = b_qf * mm_fp32(b_dM, b_kh, PREC)

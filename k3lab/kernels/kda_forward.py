@@ -59,66 +59,26 @@ def mm_fp32(a, b, PREC: tl.constexpr):
 
 
 @triton.jit
-def tile_local_decay(b_g, BT: tl.constexpr, BC: tl.constexpr):
-    """``λ3 [BT/BC, BC, BK]``: ``λ_i = G_i − G_a = Σ_{a<r≤i} g_r`` for every row i, with ``a`` the first
-    row of its 16-token tile; always in (−75, 0] for g ≥ −5.
-
-    Summed inside the tile rather than taken as a difference of chunk-level cumsums: ``G`` itself
-    reaches −300 in fp32, and ``G_i − G_a`` taken from it would carry an absolute error of ~1e-5
-    into every rescaling factor."""
-    g3 = tl.reshape(b_g, [BT // BC, BC, b_g.shape[1]])
-    return tl.cumsum(tl.where(tl.arange(0, BC)[None, :, None] == 0, 0.0, g3), 1)
+def decay_from_anchor(b_g, rows, a):
+    """``z_j = G_j − G_a`` for every row j of a chunk tile ``b_g [BT, BK]``, summed outwards from the
+    anchor row ``a`` rather than as a difference of two chunk-level cumsums: ``G`` itself reaches −300
+    in fp32, and ``G_j − G_a`` taken from it would carry an absolute error of ~1e-5 into every factor."""
+    after = tl.cumsum(tl.where(rows[:, None] > a, b_g, 0.0), 0)  # Σ_{a<r≤j} g_r
+    before = tl.cumsum(tl.where(rows[:, None] <= a, b_g, 0.0), 0, reverse=True) - b_g  # Σ_{j<r≤a} g_r
+    return tl.where(rows[:, None] >= a, after, -before)
 
 
 @triton.jit
-def anchor_steps(b_g, b_lam3, BT: tl.constexpr, BC: tl.constexpr):
-    """``s [NC, BK]``: ``s_L = G_{a(L+1)} − G_{a(L)}``, the decay from the anchor of tile L to the next
-    one (the last row is unused), from the tile-local sums: ``λ`` at the tile's last row plus the next
-    tile's first gate."""
-    NC: tl.constexpr = BT // BC
-    o_n = tl.arange(0, NC)
-    o_c = tl.arange(0, BC)
-    g3 = tl.reshape(b_g, [NC, BC, b_g.shape[1]])
-    lam_end = tl.sum(tl.where(o_c[None, :, None] == BC - 1, b_lam3, 0.0), 1)  # [NC, BK]
-    first = tl.sum(tl.where(o_c[None, :, None] == 0, g3, 0.0), 1)  # [NC, BK] g at each anchor
-    first_next = tl.sum(tl.where(o_n[:, None, None] + 1 == o_n[None, :, None], first[None, :, :], 0.0), 1)
-    return lam_end + first_next
-
-
-@triton.jit
-def rows_of_tiles(E, BT: tl.constexpr, BC: tl.constexpr):
-    """``[NC, N]`` per-tile values repeated over each tile's BC rows: ``[BT, N]``."""
-    return tl.reshape(tl.broadcast_to(E[:, None, :], [BT // BC, BC, E.shape[1]]), [BT, E.shape[1]])
-
-
-@triton.jit
-def keys_to_anchor(b_s, I: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
-    """``F [BT, BK]`` with ``F_j = exp(G_a − G_{a(J)})`` for a key j in tile J ≤ I (``a`` the anchor of tile
-    I; ≤ 1), 0 for keys after tile I. Times ``exp(−λ_j)`` it rescales key j to tile I's anchor."""
-    o_n = tl.arange(0, BT // BC)
-    D = tl.cumsum(tl.where(o_n[:, None] < I, b_s, 0.0), 0, reverse=True)  # D_J = Σ_{J≤L<I} s_L ≤ 0
-    return rows_of_tiles(tl.where(o_n[:, None] <= I, tl.exp(D), 0.0), BT, BC)
-
-
-@triton.jit
-def queries_from_anchor(b_s, J: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
-    """``F [BT, BK]`` with ``F_i = exp(G_{a(L)} − G_a)`` for a row i in tile L ≥ J (``a`` the anchor of tile
-    J; ≤ 1), 0 for rows before tile J. Times ``exp(λ_i)`` it is ``exp(G_i − G_a)``."""
-    o_n = tl.arange(0, BT // BC)
-    s = tl.where(o_n[:, None] >= J, b_s, 0.0)
-    D = tl.cumsum(s, 0) - s  # D_L = Σ_{J≤L'<L} s_L' ≤ 0
-    return rows_of_tiles(tl.where(o_n[:, None] >= J, tl.exp(D), 0.0), BT, BC)
-
-
-@triton.jit
-def tile_of(x3, I: tl.constexpr):
-    """Tile ``I`` of ``x3 [BT/BC, BC, N]`` as ``[BC, N]``, exactly (a masked sum over the tile axis)."""
-    return tl.sum(tl.where(tl.arange(0, x3.shape[0])[:, None, None] == I, x3, 0.0), 0)
+def tile_rows(x, I, BT: tl.constexpr, BC: tl.constexpr):
+    """Rows ``I·BC .. I·BC + BC − 1`` of a register tile ``x [BT, N]`` as ``[BC, N]``, exactly (a reshape
+    and a masked sum), so that a tile's factors match the chunk-wide ones bit for bit."""
+    x3 = tl.reshape(x, [BT // BC, BC, x.shape[1]])
+    return tl.sum(tl.where(tl.arange(0, BT // BC)[:, None, None] == I, x3, 0.0), 0)
 
 
 @triton.jit
 def decay_to_end(b_g):
-    """``G_C − G_r = Σ_{r' > r} g_r'`` (reverse cumsum, same accuracy argument as :func:`tile_local_decay`)."""
+    """``G_C − G_r = Σ_{r' > r} g_r'`` (reverse cumsum, same accuracy argument as :func:`decay_from_anchor`)."""
     return tl.cumsum(b_g, 0, reverse=True) - b_g
 
 
@@ -135,52 +95,6 @@ def invert_unit_lower_16(D, BC: tl.constexpr):
         x_r = tl.where(o_c == r, 1.0, 0.0) - tl.sum(d_r[:, None] * X, 0)
         X = tl.where(o_c[:, None] == r, x_r[None, :], X)
     return X
-
-
-@triton.jit
-def tile_scores(P, M, D, I: tl.constexpr, q, k, b_lam3, b_kl, b_s, t0, T, o_k,
-                H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr):
-    """Add one block of key channels to tile I's score rows ``P[I], M[I] [BC, BT]`` and diagonal tile ``D``."""
-    o_i = t0 + I * BC + tl.arange(0, BC)
-    m_ik = (o_i < T)[:, None] & (o_k < K)[None, :]
-    p_ik = o_i[:, None] * (H * K) + o_k[None, :]
-    b_qi = tl.load(q + p_ik, mask=m_ik, other=0.0).to(tl.float32)
-    b_ki = tl.load(k + p_ik, mask=m_ik, other=0.0).to(tl.float32)
-    b_lam = tile_of(b_lam3, I)  # [BC, BK] G_i − G_a for the tile's own rows
-    b_qf = tl.exp(b_lam)  # ≤ 1
-    # k̂_j = k_j exp(G_a − G_j) = k_j exp(−λ_j) · exp(G_a − G_{a(J)}), 0 for keys after the tile
-    b_kh = b_kl * keys_to_anchor(b_s, I, BT, BC)
-    P += mm_fp32(b_qi * b_qf, tl.trans(b_kh), PREC)
-    M += mm_fp32(b_ki * b_qf, tl.trans(b_kh), PREC)
-    D += mm_fp32(b_ki * b_qf, tl.trans(b_ki * tl.exp(-b_lam)), PREC)
-    return P, M, D
-
-
-@triton.jit
-def solve_block_row(P, M, D, I: tl.constexpr, beta, Aqk, Akk_inv, Mkk, scale, t0, T,
-                    H: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr):
-    """Store tile I's scores and its block row of ``A⁻¹``: ``X_I = (I + L_II)⁻¹ (E_I − L_{I,<I} X_{<I})``
-    with ``L = Diag(β) M``; the rows ``X_{<I}`` finished by earlier tiles are read back from ``Akk_inv``."""
-    a = I * BC
-    rows = tl.arange(0, BT)
-    o_c = tl.arange(0, BC)
-    o_t = t0 + rows
-    o_i = t0 + a + o_c
-    m_i = o_i < T
-    p_iA = o_i[:, None] * (H * BT) + rows[None, :]
-    tl.store(Aqk + p_iA, tl.where((a + o_c)[:, None] >= rows[None, :], P * scale, 0.0), mask=m_i[:, None])
-    M = tl.where((a + o_c)[:, None] > rows[None, :], M, 0.0)
-    tl.store(Mkk + p_iA, M, mask=m_i[:, None])
-    b_bi = tl.load(beta + o_i * H, mask=m_i, other=0.0).to(tl.float32)
-    b_Dinv = invert_unit_lower_16(tl.where(o_c[:, None] > o_c[None, :], D * b_bi[:, None], 0.0), BC)
-    b_R = tl.where((a + o_c)[:, None] == rows[None, :], 1.0, 0.0)  # E_I [BC, BT]
-    if I > 0:
-        b_L = tl.where(rows[None, :] < a, M * b_bi[:, None], 0.0)  # L_{I,<I}
-        b_Xp = tl.load(Akk_inv + o_t[:, None] * (H * BT) + rows[None, :],
-                       mask=(o_t < T)[:, None] & (rows < a)[:, None], other=0.0)
-        b_R = b_R - mm_fp32(b_L, b_Xp, PREC)
-    tl.store(Akk_inv + p_iA, mm_fp32(b_Dinv, b_R, PREC), mask=m_i[:, None])
-    tl.debug_barrier()  # the next tile (and W, U) read these rows back
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -200,12 +114,13 @@ def kda_fwd_intra_kernel(
         q̂_i   = q_i ⊙ exp(G_i − G_a)         for i in the tile (≤ 1)
         P[I]  = q̂ k̂ᵀ,   M[I] = (k ⊙ exp(G − G_a))[I] k̂ᵀ            [16, 64] row blocks, tensor cores
 
-    ``exp(G_a − G_j)`` is built from tile-local sums (see :func:`tile_local_decay`): ``exp(−λ_j)`` inside
-    key j's tile (≤ e^75) times ``exp(G_a − G_{a(J)})`` between anchors (≤ 1).
-    The inverse ``A⁻¹ = (I + L)⁻¹`` (``L = Diag(β) M``) is built one 16-row block at a time
-    (:func:`solve_block_row`). Then ``W = A⁻¹ (β Γ ⊙ K)``, ``U = A⁻¹ (β V)``.
+    The inverse ``A⁻¹ = (I + L)⁻¹`` (``L = Diag(β) M``) is built one 16-row block at a time:
+    ``X_I = (I + L_II)⁻¹ (E_I − L_{I,<I} X_{<I})``, with the 16×16 diagonal inverse by forward
+    substitution; finished rows go to ``Akk_inv`` in global memory and are read back (L1/L2) by the
+    next block after a barrier. Then ``W = A⁻¹ (β Γ ⊙ K)``, ``U = A⁻¹ (β V)``.
     Stores: ``Aqk = scale·P`` (fp32), ``Mkk = M`` (fp32, for dβ in the backward), ``Akk_inv`` (fp32),
-    ``gl = G_C`` per chunk, ``qg = scale Γ ⊙ Q``, ``kg = exp(G_C − G) ⊙ K``, ``w`` (dtype DT), ``u`` (fp32).
+    ``gl = G_C`` per chunk, ``qg = scale Γ ⊙ Q``, ``kg = exp(G_C − G) ⊙ K``, ``w`` (dtype DT) and ``u`` (fp32).
+    All exponents are differences of sums taken from the anchor outwards (:func:`decay_from_anchor`).
     """
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
@@ -219,31 +134,55 @@ def kda_fwd_intra_kernel(
     rows = tl.arange(0, BT)
     o_t = t0 + rows
     m_t = o_t < T
-    # score rows P[I], M[I] [BC, BT] and diagonal tiles D[I] [BC, BC] of the four tiles, summed over key blocks
-    b_P0 = tl.zeros([BC, BT], dtype=tl.float32)
-    b_P1, b_P2, b_P3, b_M0, b_M1, b_M2, b_M3 = b_P0, b_P0, b_P0, b_P0, b_P0, b_P0, b_P0
-    b_D0 = tl.zeros([BC, BC], dtype=tl.float32)
-    b_D1, b_D2, b_D3 = b_D0, b_D0, b_D0
-    for i_k in range(tl.cdiv(K, BK)):
-        o_k = i_k * BK + tl.arange(0, BK)
-        m_tk = m_t[:, None] & (o_k < K)[None, :]
-        p_tk = o_t[:, None] * (H * K) + o_k[None, :]
-        b_g = tl.load(g + p_tk, mask=m_tk, other=0.0).to(tl.float32)  # padding rows: g = 0 (no decay)
-        b_lam3 = tile_local_decay(b_g, BT, BC)  # [NC, BC, BK] λ = G − G_anchor, inside each tile
-        b_s = anchor_steps(b_g, b_lam3, BT, BC)  # [NC, BK] G_{a(L+1)} − G_{a(L)}
-        # k_j exp(−λ_j): key j rescaled to its own tile's anchor, ≤ e^75 (g ≥ −5)
-        b_kl = tl.load(k + p_tk, mask=m_tk, other=0.0).to(tl.float32) * tl.exp(-tl.reshape(b_lam3, [BT, BK]))
-        b_P0, b_M0, b_D0 = tile_scores(b_P0, b_M0, b_D0, 0, q, k, b_lam3, b_kl, b_s, t0, T, o_k, H, K, BT, BC, PREC)
-        b_P1, b_M1, b_D1 = tile_scores(b_P1, b_M1, b_D1, 1, q, k, b_lam3, b_kl, b_s, t0, T, o_k, H, K, BT, BC, PREC)
-        b_P2, b_M2, b_D2 = tile_scores(b_P2, b_M2, b_D2, 2, q, k, b_lam3, b_kl, b_s, t0, T, o_k, H, K, BT, BC, PREC)
-        b_P3, b_M3, b_D3 = tile_scores(b_P3, b_M3, b_D3, 3, q, k, b_lam3, b_kl, b_s, t0, T, o_k, H, K, BT, BC, PREC)
-    solve_block_row(b_P0, b_M0, b_D0, 0, beta, Aqk, Akk_inv, Mkk, scale, t0, T, H, BT, BC, PREC)
-    solve_block_row(b_P1, b_M1, b_D1, 1, beta, Aqk, Akk_inv, Mkk, scale, t0, T, H, BT, BC, PREC)
-    solve_block_row(b_P2, b_M2, b_D2, 2, beta, Aqk, Akk_inv, Mkk, scale, t0, T, H, BT, BC, PREC)
-    solve_block_row(b_P3, b_M3, b_D3, 3, beta, Aqk, Akk_inv, Mkk, scale, t0, T, H, BT, BC, PREC)
-
+    o_c = tl.arange(0, BC)
+    p_tA = o_t[:, None] * (H * BT) + rows[None, :]  # [BT, BT] offsets into Aqk, Akk_inv, Mkk
     b_beta = tl.load(beta + o_t * H, mask=m_t, other=0.0).to(tl.float32)
-    b_Ai = tl.load(Akk_inv + o_t[:, None] * (H * BT) + rows[None, :], mask=m_t[:, None], other=0.0)  # A⁻¹
+
+    for I in tl.static_range(BT // BC):
+        a = I * BC  # anchor row of the tile
+        o_i = t0 + a + o_c  # [BC] token index of the tile's rows
+        m_i = o_i < T
+        b_P = tl.zeros([BC, BT], dtype=tl.float32)
+        b_M = tl.zeros([BC, BT], dtype=tl.float32)
+        b_D = tl.zeros([BC, BC], dtype=tl.float32)
+        for i_k in range(tl.cdiv(K, BK)):
+            o_k = i_k * BK + tl.arange(0, BK)
+            m_tk = m_t[:, None] & (o_k < K)[None, :]
+            m_ik = m_i[:, None] & (o_k < K)[None, :]
+            p_tk = o_t[:, None] * (H * K) + o_k[None, :]
+            p_ik = o_i[:, None] * (H * K) + o_k[None, :]
+            b_g = tl.load(g + p_tk, mask=m_tk, other=0.0).to(tl.float32)  # padding rows: g = 0 (no decay)
+            b_k = tl.load(k + p_tk, mask=m_tk, other=0.0).to(tl.float32)
+            b_qi = tl.load(q + p_ik, mask=m_ik, other=0.0).to(tl.float32)
+            b_ki = tl.load(k + p_ik, mask=m_ik, other=0.0).to(tl.float32)
+            b_z = decay_from_anchor(b_g, rows, a)  # [BT, BK] G_j − G_a
+            b_lc = tile_rows(b_z, I, BT, BC)  # [BC, BK] G_i − G_a for the tile's own rows
+            b_qf = tl.exp(b_lc)  # ≤ 1
+            # k̂_j = k_j exp(G_a − G_j): ≤ e^75 inside the tile (g ≥ −5), exactly 0 for keys after it
+            b_kh = b_k * tl.exp(tl.where(rows[:, None] < a + BC, -b_z, float("-inf")))
+            b_P += mm_fp32(b_qi * b_qf, tl.trans(b_kh), PREC)  # [BC, BT]
+            b_M += mm_fp32(b_ki * b_qf, tl.trans(b_kh), PREC)  # [BC, BT]
+            b_D += mm_fp32(b_ki * b_qf, tl.trans(b_ki * tl.exp(-b_lc)), PREC)  # [BC, BC] diagonal tile of M
+        b_P = tl.where((a + o_c)[:, None] >= rows[None, :], b_P * scale, 0.0)
+        b_M = tl.where((a + o_c)[:, None] > rows[None, :], b_M, 0.0)
+        p_iA = o_i[:, None] * (H * BT) + rows[None, :]
+        tl.store(Aqk + p_iA, b_P, mask=m_i[:, None])
+        tl.store(Mkk + p_iA, b_M, mask=m_i[:, None])
+
+        # UT transform, block row I: X_I = (I + L_II)⁻¹ (E_I − L_{I,<I} X_{<I}),  L = Diag(β) M
+        b_bi = tl.load(beta + o_i * H, mask=m_i, other=0.0).to(tl.float32)
+        b_D = tl.where(o_c[:, None] > o_c[None, :], b_D * b_bi[:, None], 0.0)
+        b_Dinv = invert_unit_lower_16(b_D, BC)
+        b_R = tl.where((a + o_c)[:, None] == rows[None, :], 1.0, 0.0)  # E_I [BC, BT]
+        if I > 0:
+            b_L = tl.where(rows[None, :] < a, b_M * b_bi[:, None], 0.0)  # L_{I,<I}
+            b_Xp = tl.load(Akk_inv + p_tA, mask=m_t[:, None] & (rows < a)[:, None], other=0.0)
+            b_R = b_R - mm_fp32(b_L, b_Xp, PREC)
+        b_X = mm_fp32(b_Dinv, b_R, PREC)  # [BC, BT]
+        tl.store(Akk_inv + p_iA, b_X, mask=m_i[:, None])
+        tl.debug_barrier()  # the next tile (and W, U below) read these rows back
+
+    b_Ai = tl.load(Akk_inv + p_tA, mask=m_t[:, None], other=0.0)  # [BT, BT] A⁻¹
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m_tk = m_t[:, None] & (o_k < K)[None, :]

@@ -24,14 +24,13 @@ The MQAR harness below (:func:`train_mqar`) trains one such model with :func:`k3
 a mix of key-value-pair counts and reports recall accuracy per count (zoology's convention).
 """
 
-import math
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from k3lab.data import mqar
 from k3lab.mixers import chunk
+from k3lab.mixers.kda import ShortConvolution, inverse_softplus_dt_bias, kda_gate, l2norm
 from k3lab.outputs import CausalLMOutput
 from k3lab.train import TrainConfig, fit
 
@@ -42,20 +41,6 @@ KDA_GATE_LOWER_BOUND = -5.0  # K3 spec §2.1: g ∈ (−5, 0)
 # for KDA). fla's [1e-3, 1e-1] leaves some of only 2 heads forgetting within a few tokens, and then the
 # gated mixers do not leave the MQAR plateau in a few hundred steps.
 GATE_DT_RANGE = (1e-3, 1e-2)
-
-
-def inverse_softplus_dt_bias(n: int, dt_min: float = GATE_DT_RANGE[0],
-                             dt_max: float = GATE_DT_RANGE[1]) -> torch.Tensor:
-    """Mamba2/GDN/KDA gate bias init (spec §2.1): ``dt ~ exp(U[log dt_min, log dt_max])``, ``softplus⁻¹(dt)``."""
-    dt = torch.exp(torch.rand(n) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min)).clamp(min=1e-4)
-    return dt + torch.log(-torch.expm1(-dt))
-
-
-def causal_depthwise_conv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``y_t = Σ_w weight[:, w] ⊙ x_{t−W+1+w}`` over ``x [B, T, D]``, weight ``[D, W]``; zeros before t = 0."""
-    T, W = x.shape[1], weight.shape[1]
-    x = F.pad(x, (0, 0, W - 1, 0))  # [B, T + W − 1, D]
-    return sum(x[:, w:w + T] * weight[:, w] for w in range(W))
 
 
 class ToyMixer(nn.Module):
@@ -72,7 +57,7 @@ class ToyMixer(nn.Module):
         self.mixer, self.num_heads, self.head_dim, self.chunk_size = mixer, num_heads, head_dim, chunk_size
         H, K = num_heads, head_dim
         self.qkv_proj = nn.Linear(d_model, 3 * H * K, bias=False)
-        self.qkv_conv = nn.Parameter(torch.randn(3 * H * K, conv_size) / math.sqrt(conv_size))  # depthwise taps
+        self.qkv_conv = ShortConvolution(3 * H * K, conv_size)  # SiLU inside
         if mixer in DELTA_MIXERS:
             self.b_proj = nn.Linear(d_model, H, bias=False)
         if mixer == "retnet":
@@ -80,24 +65,26 @@ class ToyMixer(nn.Module):
         if mixer in ("mamba2", "gated_deltanet"):
             self.a_proj = nn.Linear(d_model, H, bias=False)
             self.A_log = nn.Parameter(torch.log(torch.empty(H).uniform_(1, 16)))
-            self.dt_bias = nn.Parameter(inverse_softplus_dt_bias(H))
+            self.dt_bias = nn.Parameter(inverse_softplus_dt_bias(H, *GATE_DT_RANGE))
         if mixer == "kda":
             self.f_a_proj = nn.Linear(d_model, K, bias=False)
             self.f_b_proj = nn.Linear(K, H * K, bias=False)
             self.A_log = nn.Parameter(torch.zeros(H))
-            self.dt_bias = nn.Parameter(inverse_softplus_dt_bias(H * K))
+            self.dt_bias = nn.Parameter(inverse_softplus_dt_bias(H * K, *GATE_DT_RANGE))
         self.o_norm = nn.RMSNorm(K)
         self.o_proj = nn.Linear(H * K, d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
         H, K = self.num_heads, self.head_dim
-        q, k, v = F.silu(causal_depthwise_conv(self.qkv_proj(x), self.qkv_conv)).reshape(B, T, 3, H, K).unbind(2)
+        qkv, _ = self.qkv_conv(self.qkv_proj(x))
+        q, k, v = qkv.reshape(B, T, 3, H, K).unbind(2)  # [B, T, H, K] each
         if self.mixer in DELTA_MIXERS:
-            q, k = F.normalize(q, dim=-1, eps=1e-6), F.normalize(k, dim=-1, eps=1e-6)
+            q, k = l2norm(q), l2norm(k)
             beta = torch.sigmoid(self.b_proj(x))  # [B, T, H]
         if self.mixer in ("mamba2", "gated_deltanet"):
-            g = -torch.exp(self.A_log) * F.softplus(self.a_proj(x) + self.dt_bias)  # [B, T, H]
+            # Mamba2's gate −e^A·softplus(a + dt_bias) is Kimi Linear's KDA gate with one channel
+            g = kda_gate(self.a_proj(x)[..., None], self.A_log, self.dt_bias, kind="kimi_linear")[..., 0]  # [B, T, H]
         C = self.chunk_size
         match self.mixer:
             case "softmax":
@@ -114,8 +101,8 @@ class ToyMixer(nn.Module):
             case "gated_deltanet":
                 o, _ = chunk.gated_deltanet_chunk(q, k, v, g, beta, output_final_state=False, chunk_size=C)
             case "kda":
-                z = self.f_b_proj(self.f_a_proj(x)).reshape(B, T, H, K) + self.dt_bias.reshape(H, K)
-                g = KDA_GATE_LOWER_BOUND * torch.sigmoid(torch.exp(self.A_log)[:, None] * z)  # [B, T, H, K]
+                z = self.f_b_proj(self.f_a_proj(x)).reshape(B, T, H, K)
+                g = kda_gate(z, self.A_log, self.dt_bias, kind="k3", lower_bound=KDA_GATE_LOWER_BOUND)  # [B, T, H, K]
                 o, _ = chunk.kda_chunk(q, k, v, g, beta, output_final_state=False, chunk_size=C)
         return self.o_proj(self.o_norm(o).reshape(B, T, H * K))
 
@@ -162,6 +149,8 @@ class MixerLM(nn.Module):
                 nn.init.normal_(module.weight, std=0.02)
                 if getattr(module, "bias", None) is not None:
                     nn.init.zeros_(module.bias)
+            if isinstance(module, ShortConvolution):  # taps ~ N(0, 1/W): the conv keeps the input's scale
+                nn.init.normal_(module.weight, std=module.kernel_size[0] ** -0.5)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, cache=None) -> CausalLMOutput:
         if cache is not None:
@@ -204,7 +193,7 @@ def recall_accuracy(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor
 
 
 def train_mqar(mixer: str, pairs_grid=(2, 4, 8, 16), *, vocab_size: int = 64, seq_len: int = 64, d_model: int = 32,
-               n_layers: int = 1, num_heads: int = 2, steps: int = 300, batch_size: int = 32, lr: float = 5e-3,
+               n_layers: int = 1, num_heads: int = 2, steps: int = 250, batch_size: int = 32, lr: float = 1e-2,
                test_examples: int = 256, device: str = "cpu", seed: int = 0) -> dict:
     """Train a :class:`MixerLM` on MQAR mixed over ``pairs_grid`` and measure recall per pair count.
 
