@@ -15,9 +15,10 @@ Per chunk, with in-chunk cumulative log-decay ``G_r = Σ_{i≤r} g_i`` and ``Γ_
     O    = (Γ ⊙ Q) S + A Ṽ
     S'   = Diag(Γ_C) S + (exp(G_C − G) ⊙ K)ᵀ Ṽ
 
-Every ``exp`` here is of a non-positive number (``G_i − G_j`` with ``j ≤ i``, ``G_r`` and
-``G_C − G_r``), so no factor can overflow whatever the decay; this is the reference, not the
-fast tensor-core form that rescales keys by ``1/Γ`` (see notebook 03 for why K3 bounds ``g ≥ -5``).
+For log-decays ``g ≤ 0`` every ``exp`` here is of a non-positive number (``G_i − G_j`` with
+``j ≤ i``, ``G_r`` and ``G_C − G_r``), so no factor can overflow however strong the decay. This is
+the reference, not the fast tensor-core form that rescales keys by ``1/Γ`` (notebook 03: why K3
+bounds ``g ≥ -5``).
 """
 
 import math
