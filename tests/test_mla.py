@@ -9,6 +9,7 @@ from k3lab.testing import assert_close
 
 FP32_TOL = 1e-5
 FP64_TOL = 1e-10
+BF16_TOL = 1e-2
 
 
 def tiny_mla(seed=0, **kw) -> GatedMLA:
@@ -165,3 +166,18 @@ def test_cudnn_sdpa_matches_math_bf16():
     assert_close("max_logit (cuDNN path)", ref_max, mla.max_logit, 2e-2)
     got.float().sum().backward()
     assert torch.isfinite(mla.q_b_proj.weight.grad).all()
+
+
+def test_attention_stays_fp32_under_bf16_autocast():
+    """K3 keeps the attention output in fp32: the softmax attention ignores a bf16 autocast region (only
+    the naive form's kv_b_proj, a projection, runs in bf16 there)."""
+    mla = tiny_mla()
+    x = torch.randn(2, 6, 32)
+    inputs = mla.project(x, 0)
+    for form, tol in (("absorbed", FP32_TOL), ("naive", BF16_TOL)):
+        attend = getattr(mla, f"attend_{form}")
+        ref = attend(*inputs, 0)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got = attend(*inputs, 0)
+        assert got.dtype == torch.float32
+        assert_close(f"{form} under autocast", ref, got, tol)

@@ -26,7 +26,6 @@ experiment switch (notebook 05), not K3.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -93,11 +92,12 @@ def attention_math(q: Tensor, k: Tensor, v: Tensor, scale: float, offset: int) -
     Returns (o [B, H, T, V] float32/64, max logit per head [H]).
     """
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    scores = torch.matmul(q.to(dtype), k.to(dtype).transpose(-1, -2)) * scale  # [B, H, T, S]
-    mask = causal_mask(q.shape[2], k.shape[2], offset, q.device)
-    scores = scores.masked_fill(~mask, float("-inf"))
-    max_logit = scores.detach().amax(dim=(0, 2, 3))  # [H]
-    return torch.matmul(scores.softmax(dim=-1), v.to(dtype)), max_logit
+    with torch.autocast(q.device.type, enabled=False):  # fp32 even inside a bf16 autocast region
+        scores = torch.matmul(q.to(dtype), k.to(dtype).transpose(-1, -2)) * scale  # [B, H, T, S]
+        mask = causal_mask(q.shape[2], k.shape[2], offset, q.device)
+        scores = scores.masked_fill(~mask, float("-inf"))
+        max_logit = scores.detach().amax(dim=(0, 2, 3))  # [H]
+        return torch.matmul(scores.softmax(dim=-1), v.to(dtype)), max_logit
 
 
 @torch.no_grad()
@@ -108,11 +108,12 @@ def causal_max_logit(q: Tensor, k: Tensor, scale: float) -> Tensor:
     """
     T = q.shape[2]
     best = torch.full((q.shape[1],), float("-inf"), device=q.device, dtype=torch.float32)
-    for start in range(0, T, MAX_LOGIT_QUERY_CHUNK):
-        stop = min(T, start + MAX_LOGIT_QUERY_CHUNK)
-        scores = torch.matmul(q[:, :, start:stop].float(), k[:, :, :stop].float().transpose(-1, -2)) * scale
-        scores = scores.masked_fill(~causal_mask(stop - start, stop, start, q.device), float("-inf"))
-        best = torch.maximum(best, scores.amax(dim=(0, 2, 3)))
+    with torch.autocast(q.device.type, enabled=False):
+        for start in range(0, T, MAX_LOGIT_QUERY_CHUNK):
+            stop = min(T, start + MAX_LOGIT_QUERY_CHUNK)
+            scores = torch.matmul(q[:, :, start:stop].float(), k[:, :, :stop].float().transpose(-1, -2)) * scale
+            scores = scores.masked_fill(~causal_mask(stop - start, stop, start, q.device), float("-inf"))
+            best = torch.maximum(best, scores.amax(dim=(0, 2, 3)))
     return best
 
 
@@ -203,13 +204,15 @@ class GatedMLA(nn.Module):
         """MQA over the latent [c_kv ; k_rope] (one KV head). Returns o [B, T, H, V] in float32 (float64 in)."""
         W_UK, W_UV = self.kv_b_weights()  # [H, nope, R], [H, V, R]
         dtype = torch.float64 if q_nope.dtype == torch.float64 else torch.float32
-        q_latent = torch.einsum("bthn,hnr->bthr", q_nope.to(dtype), W_UK.to(dtype))  # [B, T, H, R]
-        q = torch.cat([q_latent, q_rope.to(dtype)], dim=-1).transpose(1, 2)  # [B, H, T, R + rope]
-        k = torch.cat([c_kv, k_rope], dim=-1)[:, None]  # [B, 1, S, R + rope]
-        o_latent, max_logit = attention_math(q, k, c_kv[:, None], self.scale, offset)  # [B, H, T, R]
+        with torch.autocast(q_nope.device.type, enabled=False):
+            q_latent = torch.einsum("bthn,hnr->bthr", q_nope.to(dtype), W_UK.to(dtype))  # [B, T, H, R]
+            q = torch.cat([q_latent, q_rope.to(dtype)], dim=-1).transpose(1, 2)  # [B, H, T, R + rope]
+            k = torch.cat([c_kv, k_rope], dim=-1)[:, None]  # [B, 1, S, R + rope]
+            o_latent, max_logit = attention_math(q, k, c_kv[:, None], self.scale, offset)  # [B, H, T, R]
+            o = torch.einsum("bhtr,hvr->bthv", o_latent, W_UV.to(dtype))  # [B, T, H, V]
         if self.training and self.track_max_logit:
             self.max_logit = max_logit.float()
-        return torch.einsum("bhtr,hvr->bthv", o_latent, W_UV.to(dtype))  # [B, T, H, V]
+        return o
 
     def forward(self, x: Tensor, cache: MLACache | None = None) -> tuple[Tensor, MLACache]:
         if self.attn_form not in ATTN_FORMS:
