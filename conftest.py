@@ -5,7 +5,13 @@ and teardown of every cell (the kernel start included) per notebook and flags an
 course budget (90 s on 2 CPU cores).
 """
 
+import os
 from collections import defaultdict
+
+# Tests and the notebooks' kernels (which inherit this environment) run torch single-threaded unless
+# told otherwise: the tiny models' small ops are faster on one thread, and it lets pytest-xdist use
+# one worker per core without oversubscribing.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 NOTEBOOK_BUDGET_S = 90.0
 

@@ -83,6 +83,7 @@ class ModelConfig:
     qb_num_bins: int = 1000  # histogram bins of the QB estimator
     aux_loss_coef: float = 1e-2  # only used by balancer="aux_loss"
     mtp_loss_weight: float = 0.3  # lambda of the MTP loss
+    qk_clip_tau: float | None = 100.0  # QK-Clip threshold on MLA max logits after each step (K2: 100); None = off
     backend: str = "auto"  # "auto" | "torch" | "triton" | "fla"
 
     def __post_init__(self):
@@ -135,6 +136,7 @@ class ModelConfig:
             need(getattr(self, name) in allowed, f"{name}={getattr(self, name)!r}: allowed values are {allowed}")
         need(self.activation_situ_beta > 0 and self.activation_situ_linear_beta > 0,
              "activation_situ_beta / activation_situ_linear_beta: must be > 0")
+        need(self.qk_clip_tau is None or self.qk_clip_tau > 0, f"qk_clip_tau={self.qk_clip_tau!r}: must be > 0 or None (off)")
         for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
             v = getattr(self, name)
             need(0 <= v < self.vocab_size, f"{name}={v}: must be in [0, vocab_size={self.vocab_size})")
@@ -209,7 +211,8 @@ class ModelConfig:
         if "hidden_act" in cfg and cfg["hidden_act"] not in HIDDEN_ACTS:
             raise ValueError(f"hidden_act={cfg['hidden_act']!r}: allowed values are {HIDDEN_ACTS}")
         names = {f.name for f in dataclasses.fields(cls)} - {"kda_gate", "residual", "mlp_kind", "balancer",
-                                                             "qb_num_bins", "aux_loss_coef", "mtp_loss_weight", "backend"}
+                                                             "qb_num_bins", "aux_loss_coef", "mtp_loss_weight", "qk_clip_tau",
+                                                             "backend"}
         kwargs = {k: v for k, v in cfg.items() if k in names}
         if "linear_attn_config" in kwargs:
             lac = kwargs["linear_attn_config"]

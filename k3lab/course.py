@@ -209,17 +209,21 @@ def check_kernel(kernel_name: str) -> None:
 
 
 @contextlib.contextmanager
-def _inline_matplotlib():
-    """Kernels inherit the environment: keep figures in the notebook even under MPLBACKEND=Agg."""
-    old = os.environ.get("MPLBACKEND")
-    os.environ["MPLBACKEND"] = INLINE_BACKEND
+def _kernel_environment():
+    """Kernels inherit the environment: keep figures in the notebook even under MPLBACKEND=Agg, and
+    run torch on one thread unless OMP_NUM_THREADS says otherwise (the tiny models' small ops run
+    faster single-threaded, and two threads thrash on a busy 2-core machine)."""
+    changes = {"MPLBACKEND": INLINE_BACKEND, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    old = {name: os.environ.get(name) for name in changes}
+    os.environ.update(changes)
     try:
         yield
     finally:
-        if old is None:
-            os.environ.pop("MPLBACKEND")
-        else:
-            os.environ["MPLBACKEND"] = old
+        for name, value in old.items():
+            if value is None:
+                os.environ.pop(name)
+            else:
+                os.environ[name] = value
 
 
 def run_notebook(path: Path, out_dir: Path, parameters: dict, kernel_name: str) -> NotebookResult:
@@ -229,7 +233,7 @@ def run_notebook(path: Path, out_dir: Path, parameters: dict, kernel_name: str) 
     out_path = out_dir / path.name
     start = time.perf_counter()
     try:
-        with _inline_matplotlib():
+        with _kernel_environment():
             nb = papermill.execute_notebook(
                 str(path), str(out_path), parameters=parameters, kernel_name=kernel_name,
                 cwd=str(path.parent), progress_bar=False,

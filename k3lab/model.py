@@ -34,6 +34,7 @@ from k3lab.mixers.kda import KDA
 from k3lab.mixers.mla import GatedMLA
 from k3lab.moe.latent import LatentMoE
 from k3lab.moe.situ import SiTUMLP
+from k3lab.optim import qk_clip_
 from k3lab.outputs import CausalLMOutput
 from k3lab.residual import PreNormStream, residual_stream
 
@@ -228,7 +229,10 @@ class K3ForCausalLM(nn.Module):
         return CausalLMOutput(loss=loss, logits=logits, cache=out.cache, aux_loss=aux_loss, metrics=metrics)
 
     def after_optimizer_step(self) -> None:
-        """Let every MoE update its balancer (the trainer calls this after each optimizer step)."""
+        """After each optimizer step (the trainer calls this): every MoE updates its balancer, and
+        QK-Clip (K2's MuonClip, K3_SPEC §11) caps each MLA head's max logit at ``cfg.qk_clip_tau``."""
         for module in self.modules():
             if isinstance(module, LatentMoE):
                 module.after_optimizer_step()
+            elif isinstance(module, GatedMLA) and self.config.qk_clip_tau is not None and module.max_logit is not None:
+                qk_clip_(module, self.config.qk_clip_tau)

@@ -201,3 +201,24 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="labels"):
         model(torch.zeros(1, 3, dtype=torch.long), labels=torch.zeros(1, 2, dtype=torch.long))
     assert isinstance(model.model, K3Model)
+
+
+def test_after_optimizer_step_applies_qk_clip():
+    """A forced-large logit is clipped to cfg.qk_clip_tau by the model's post-step hook."""
+    from k3lab.config import ModelConfig
+    from k3lab.mixers.mla import GatedMLA
+    from k3lab.model import K3ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = ModelConfig.preset("tiny").replace(qk_clip_tau=0.5)
+    model = K3ForCausalLM(cfg).train()
+    mla = next(m for m in model.modules() if isinstance(m, GatedMLA))
+    with torch.no_grad():
+        mla.q_b_proj.weight.mul_(200.0)
+        mla.kv_b_proj.weight.mul_(200.0)
+    ids = torch.randint(0, cfg.vocab_size, (2, 16))
+    model(ids, labels=ids)
+    assert mla.max_logit.max().item() > 0.5
+    model.after_optimizer_step()
+    model(ids, labels=ids)
+    assert mla.max_logit.max().item() <= 0.5 * (1 + 1e-4)
