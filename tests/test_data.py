@@ -162,3 +162,12 @@ def test_passkey_bare_vocab_lengths_and_errors():
         passkey(64, 1, 40, depth=1.5, filler="random")
     with pytest.raises(ValueError, match="filler"):
         passkey(64, 1, 40, depth=0.5)
+
+
+def test_mqar_docstring_worked_row_is_real():
+    """The row shown in mqar's docstring is what the function returns."""
+    from k3lab.data import mqar
+
+    inputs, labels = mqar(vocab_size=16, num_examples=1, seq_len=16, num_kv_pairs=2, seed=0)
+    assert inputs[0].tolist() == [7, 12, 3, 10, 7, 3, 14, 7, 3, 1, 9, 9, 15, 0, 15, 10]
+    assert {i: v for i, v in enumerate(labels[0].tolist()) if v != -100} == {4: 12, 8: 10}
