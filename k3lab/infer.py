@@ -90,8 +90,12 @@ def token_losses(model, input_ids: Tensor, labels: Tensor) -> tuple[Tensor, Tens
     input_ids, labels: [B, T] (pre-aligned, -100 = no label). Returns (ce [B, T] float32 with NaN where
     the label is -100, correct [B, T] bool, False there), on the CPU. One forward pass, eval mode.
     """
+    was_training = model.training
     model.eval()
-    logits = model(input_ids).logits.float()  # [B, T, vocab]
+    try:
+        logits = model(input_ids).logits.float()  # [B, T, vocab]
+    finally:
+        model.train(was_training)
     valid = labels != -100
     ce = torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels.clamp_min(0), reduction="none")
     correct = (logits.argmax(-1) == labels) & valid

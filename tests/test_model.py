@@ -164,11 +164,30 @@ def test_mtp_loss():
 
 
 def test_moe_aux_loss_is_added():
+    """out.aux_loss equals coef·E·Σ_j f_j·P_j recomputed from each MoE layer's input (switch-style loss)."""
+    from k3lab.moe.latent import LatentMoE
+
     torch.manual_seed(0)
-    model = K3ForCausalLM(tiny(balancer="aux_loss", aux_loss_coef=0.01))
+    coef = 0.01
+    model = K3ForCausalLM(tiny(balancer="aux_loss", aux_loss_coef=coef))
+    inputs = []
+    for m in model.modules():
+        if isinstance(m, LatentMoE):
+            m.register_forward_hook(lambda mod, args, out: inputs.append((mod, args[0].detach())))
     x = torch.randint(0, 4096, (2, 8))
     out = model(x, labels=x)
-    assert out.aux_loss is not None and out.aux_loss.item() > 0
+    assert len(inputs) >= 1
+    expected = 0.0
+    for moe, h in inputs:
+        h = h.reshape(-1, h.shape[-1]).float()                                   # [N, D]
+        s = torch.sigmoid(h @ moe.gate.weight.float().T)                         # [N, E]
+        N, E = s.shape
+        k = moe.gate.top_k
+        top = (s + moe.gate.e_score_correction_bias).topk(k, dim=-1).indices     # [N, k]
+        f = torch.bincount(top.flatten(), minlength=E).float() / (N * k)
+        P = (s / s.sum(-1, keepdim=True)).mean(0)
+        expected = expected + coef * E * (f * P).sum()
+    assert_close("aux loss vs recomputed", expected, out.aux_loss.detach(), FP32_TOL)
     assert_close("loss = lm + aux", torch.tensor(out.metrics["lm_loss"]) + out.aux_loss.detach(), out.loss.detach(), FP32_TOL)
 
 

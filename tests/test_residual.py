@@ -26,11 +26,16 @@ def res_params(seed: int, scale: float = 0.5, eps: float = 1e-5) -> tuple[nn.Lin
 
 
 def reference_attn_res(sources, proj, norm):
-    """HF ``_apply_attn_res`` as quoted in K3 spec §4."""
-    V = torch.stack(sources, -2)
-    K = V * torch.rsqrt(V.pow(2).mean(-1, keepdim=True) + norm.eps)
-    p = (K * (norm.weight * proj.weight[0])).sum(-1).softmax(-1)
-    return (p[..., None] * V).sum(-2)
+    """K3 spec §4 written out per source: logit_i = w · RMSNorm(v_i), softmax over sources, sum of raw v_i."""
+    w = proj.weight[0]
+    logits = []
+    for v in sources:
+        rms = torch.sqrt((v * v).mean(-1, keepdim=True) + norm.eps)
+        logits.append(((v / rms) * norm.weight * w).sum(-1))
+    m = torch.stack(logits).amax(0)
+    e = [torch.exp(l - m) for l in logits]
+    z = sum(e)
+    return sum((ei / z)[..., None] * v for ei, v in zip(e, sources))
 
 
 def load_fla_naive_attnres():

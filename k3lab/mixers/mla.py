@@ -156,7 +156,7 @@ class GatedMLA(nn.Module):
 
         self.muon_head_splits = {"q_b_proj": H, "kv_b_proj": H}
         self.attn_form = "auto"
-        self.track_max_logit = True
+        self.track_max_logit = cfg.qk_clip_tau is not None  # only QK-Clip reads it (an extra QK^T pass on the fused path)
         self.register_buffer("max_logit", torch.zeros(H), persistent=False)
 
     # ---------------------------------------------------------------------------------------
