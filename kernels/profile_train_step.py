@@ -1,0 +1,85 @@
+"""Where one training step of a K3 preset spends its time on a GPU: wall time per step, GPU busy time,
+and the kernels and ops that take it (torch profiler). Used to explain notebook 09's tokens/s and MFU.
+
+    python kernels/profile_train_step.py --preset small --batch-size 16 --seq-len 1024 --optimizer adamw
+
+Same step as ``k3lab.train.fit`` (bf16 autocast, clip, optimizer step, ``after_optimizer_step``), on
+random token ids. Prints: ms per step (median of the timed steps), the share of it the GPU was busy,
+the top CUDA kernels, and the top CPU-side ops by self time.
+"""
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from k3lab.config import ModelConfig
+from k3lab.model import K3ForCausalLM
+from k3lab.optim import build_optimizer
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="small", choices=("tiny", "small"))
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--seq-len", type=int, default=1024)
+    parser.add_argument("--optimizer", default="adamw", choices=("adamw", "muon"))
+    parser.add_argument("--steps", type=int, default=5, help="timed steps (after 3 warm-up steps)")
+    parser.add_argument("--top", type=int, default=15)
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a smoke test only")
+    args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA GPU here")
+    dev = torch.device(args.device)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+
+    cfg = ModelConfig.preset(args.preset)
+    model = K3ForCausalLM(cfg).to(dev).train()
+    opt = build_optimizer(model, args.optimizer, lr=1e-3, weight_decay=0.1)
+    x = torch.randint(0, cfg.vocab_size, (args.batch_size, args.seq_len), device=dev)
+
+    def step():
+        with torch.autocast(dev.type, dtype=torch.bfloat16):
+            out = model(x, labels=x)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        model.after_optimizer_step()
+
+    for _ in range(3):
+        step()
+    sync()
+    times = []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        step()
+        sync()
+        times.append(time.perf_counter() - t0)
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if dev.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        step()
+        sync()
+    ms = 1e3 * statistics.median(times)
+    tokens = args.batch_size * args.seq_len
+    flops = 6 * cfg.param_counts()["active"] * tokens
+    gpu = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            gpu[ev.name] = gpu.get(ev.name, 0.0) + ev.device_time / 1e3
+    busy = sum(gpu.values())
+    print(f"{args.preset} {args.optimizer} B{args.batch_size} T{args.seq_len}: {ms:.1f} ms/step, "
+          f"{tokens / ms * 1e3:,.0f} tokens/s, {flops / ms / 1e9:.0f} TFLOP/s (6N), GPU busy {busy:.1f} ms "
+          f"({100 * busy / ms:.0f}% of the step)")
+    print("top CUDA kernels (ms in one step):")
+    for name, t in sorted(gpu.items(), key=lambda kv: -kv[1])[:args.top]:
+        print(f"  {t:8.2f}  {name[:100]}")
+    print("top CPU ops by self time (ms in one step):")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top, max_name_column_width=60))
+
+
+if __name__ == "__main__":
+    main()
