@@ -212,18 +212,18 @@ class K3ForCausalLM(nn.Module):
         if labels.shape != input_ids.shape:
             raise ValueError(f"labels shape {tuple(labels.shape)} must equal input_ids shape {tuple(input_ids.shape)}")
         lm_loss = masked_cross_entropy(logits, labels)
-        metrics = {"lm_loss": lm_loss.item()}
+        metrics = {"lm_loss": lm_loss.detach()}  # 0-d tensors: no host sync in the forward
         ran = [self.model]
         mtp_loss = None
         if self.mtp is not None and input_ids.shape[1] > 1:
             hidden = self.mtp(self.model.embed_tokens(input_ids[:, 1:]), out.residual[:, :-1])
             mtp_loss = masked_cross_entropy(self.lm_head(hidden), labels[:, 1:])
-            metrics["mtp_loss"] = mtp_loss.item()
+            metrics["mtp_loss"] = mtp_loss.detach()
             ran.append(self.mtp)
         aux = [m.aux_loss for part in ran for m in part.modules() if isinstance(m, LatentMoE) and m.aux_loss is not None]
         terms = ([torch.stack(aux).sum()] if aux else []) + ([self.config.mtp_loss_weight * mtp_loss] if mtp_loss is not None else [])
         if aux:
-            metrics["moe_aux_loss"] = terms[0].item()
+            metrics["moe_aux_loss"] = terms[0].detach()
         aux_loss = sum(terms[1:], terms[0]) if terms else None
         loss = lm_loss if aux_loss is None else lm_loss + aux_loss
         return CausalLMOutput(loss=loss, logits=logits, cache=out.cache, aux_loss=aux_loss, metrics=metrics)

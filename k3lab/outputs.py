@@ -14,7 +14,8 @@ class CausalLMOutput:
     logits:   [B, T, vocab].
     cache:    the per-layer generation cache (model-specific), or None.
     aux_loss: the auxiliary part of `loss` (MoE balance, MTP), or None.
-    metrics:  floats worth logging (e.g. "lm_loss", "mtp_loss", "max_violation").
+    metrics:  scalars worth logging (e.g. "lm_loss", "mtp_loss"), as detached 0-d tensors so the
+              forward never waits for the GPU; ``float()`` them when logging.
     """
 
     loss: torch.Tensor | None

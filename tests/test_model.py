@@ -155,7 +155,7 @@ def test_mtp_loss():
     out = model(x, labels=x)
     assert {"lm_loss", "mtp_loss"} <= set(out.metrics)
     assert abs(out.metrics["mtp_loss"] - torch.log(torch.tensor(cfg.vocab_size)).item()) < 0.1
-    assert_close("loss = lm + 0.3 mtp", torch.tensor(out.metrics["lm_loss"] + 0.3 * out.metrics["mtp_loss"]),
+    assert_close("loss = lm + 0.3 mtp", out.metrics["lm_loss"] + 0.3 * out.metrics["mtp_loss"],
                  out.loss.detach(), FP32_TOL)
     out.loss.backward()
     assert model.mtp.eh_proj.weight.grad is not None
@@ -188,7 +188,7 @@ def test_moe_aux_loss_is_added():
         P = (s / s.sum(-1, keepdim=True)).mean(0)
         expected = expected + coef * E * (f * P).sum()
     assert_close("aux loss vs recomputed", expected, out.aux_loss.detach(), FP32_TOL)
-    assert_close("loss = lm + aux", torch.tensor(out.metrics["lm_loss"]) + out.aux_loss.detach(), out.loss.detach(), FP32_TOL)
+    assert_close("loss = lm + aux", out.metrics["lm_loss"] + out.aux_loss.detach(), out.loss.detach(), FP32_TOL)
 
 
 def test_generate_greedy_matches_full_forward_argmax():

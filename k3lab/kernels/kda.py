@@ -38,7 +38,7 @@ LAUNCH = {
     "fwd_output": dict(BK=64, BV=64, num_warps=4, num_stages=2),
     "bwd_state": dict(BV=(64, 32, 16), min_programs=128, num_warps=4, num_stages=2),
     "bwd_wy": dict(BK=64, BV=64, num_warps=4, num_stages=1),
-    "bwd_intra": dict(BK=64, num_warps=4, num_stages=1),
+    "bwd_intra": dict(BK=32, num_warps=4, num_stages=1),
     "decode": dict(BV=32, num_warps=4, num_stages=1),
 }
 
@@ -150,9 +150,9 @@ def kda_backward(q, k, v, g, beta, scale, initial_state, saved, do, dht):
         **_launch("bwd_wy"))
     dq, dk, dg = torch.empty_like(q), torch.empty_like(k), torch.empty_like(g)
     BKi = _block(K, LAUNCH["bwd_intra"]["BK"])
-    kda_bwd_intra_kernel[(NT, triton.cdiv(K, BKi), B * H)](
+    kda_bwd_intra_kernel[(triton.cdiv(K, BKi), NT, B * H)](  # a chunk's key blocks side by side: dP, dM from L2
         q, k, g, dP, dM, dq_p, dk_p, dG_p, dq, dk, dg, T,
-        H=H, K=K, BT=CHUNK, BC=TILE, BK=BKi, DT=DT, PREC=PREC, **_launch("bwd_intra"))
+        H=H, K=K, BT=CHUNK, BC=TILE, BK=BKi, PREC=PREC, **_launch("bwd_intra"))
     return dq, dk, dv, dg, dbeta, dh0
 
 

@@ -216,11 +216,12 @@ class QuantileBalancer(Balancer):
         self.margins: list[Tensor] = []
         self.counts = torch.zeros(self.num_experts, num_bins, dtype=torch.int64, device=bias.device)  # [E, B]
 
-    def bin_range(self) -> tuple[float, float]:
-        """``(lo, w)``: left edge ``b_min − 1`` and bin width ``(b_max − b_min + 2)/B`` for the current bias."""
+    def bin_range(self) -> tuple[Tensor, Tensor]:
+        """``(lo, w)`` as 0-d fp32 tensors on the bias's device (no host sync in the forward): left edge
+        ``b_min − 1`` and bin width ``(b_max − b_min + 2)/B`` for the current bias."""
         b = self.bias.detach().float()
-        lo, hi = b.min().item() - 1.0, b.max().item() + 1.0
-        return lo, (hi - lo) / self.num_bins
+        lo = b.min() - 1.0
+        return lo, (b.max() + 1.0 - lo) / self.num_bins
 
     def observe(self, route: RouterOutput) -> None:
         super().observe(route)
@@ -253,7 +254,7 @@ class QuantileBalancer(Balancer):
 
     def histogram_quantile(self) -> Tensor | None:
         """Per-expert (k/E)-quantile read off the ``[E, B]`` counts (see the class docstring). [E]."""
-        m = self.counts[0].sum().item()                                         # every token adds one r per expert
+        m = self.counts[0].sum().item()       # every token adds one r per expert (a sync, but after the step)
         if m == 0:
             return None
         q = m * self.top_k / self.num_experts
@@ -263,7 +264,7 @@ class QuantileBalancer(Balancer):
         h = self.counts.gather(1, first[:, None])[:, 0].double()                # [E] inside the bin
         c = cum.gather(1, first[:, None])[:, 0].double() - h                    # [E] before the bin
         frac = ((q - c) / h.clamp_min(1)).clamp(0, 1)
-        return (lo + (first.double() + frac) * w).float()
+        return (lo.double() + (first.double() + frac) * w.double()).float()
 
 
 def sorted_quantile(r: Tensor, p: float) -> Tensor:
