@@ -173,8 +173,8 @@ def main():
             "fwd_output": [dict(BK=64, BV=64, num_warps=4), dict(BK=64, BV=64, num_warps=8)],
             "bwd_state": [dict(BV=(64, 32, 16), min_programs=128, num_warps=4),
                           dict(BV=(32, 16), min_programs=256, num_warps=4)],
-            "bwd_wy": [dict(BK=64, BV=64, num_warps=4), dict(BK=32, BV=32, num_warps=8),
-                       dict(BK=32, BV=64, num_warps=8)],
+            "bwd_wy_key": [dict(BK=32, BV=64, num_warps=4), dict(BK=64, BV=64, num_warps=8),
+                           dict(BK=16, BV=64, num_warps=4)],
             "bwd_intra": [dict(BK=64, num_warps=4), dict(BK=32, num_warps=8), dict(BK=64, num_warps=8)],
         }
         for name, cands in candidates.items():

@@ -62,20 +62,23 @@ def record_launches(dtype: torch.dtype, B: int, T: int, H: int, D: int) -> list:
 
 def compile_hopper(fn: JITFunction, bound: dict, options: dict):
     """Compile one recorded launch for sm_90a; returns the CompiledKernel."""
-    signature, constexprs = {}, {}
+    signature, constexprs, attrs = {}, {}, {}
+    aligned = [["tt.divisibility", 16]]  # what a real launch specializes: 16-byte aligned pointers, ints % 16
     for i, p in enumerate(fn.params):
         name, value = p.name, bound[p.name]
         if p.is_constexpr or value is None:
             signature[name], constexprs[name] = "constexpr", value
         elif isinstance(value, torch.Tensor):
-            signature[name] = "*" + TORCH_TO_TRITON[value.dtype]
+            signature[name], attrs[(i,)] = "*" + TORCH_TO_TRITON[value.dtype], aligned
         elif isinstance(value, float):
             signature[name] = "fp32"
         elif isinstance(value, int):
             signature[name] = "i32"
+            if value % 16 == 0 and name not in fn.do_not_specialize and i not in fn.do_not_specialize:
+                attrs[(i,)] = aligned
         else:
             raise TypeError(f"argument {name} of {fn.__name__}: cannot type {type(value)}")
-    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 64), options=options)
 
 

@@ -17,7 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from k3lab.kernels.kda_backward import kda_bwd_intra_kernel, kda_bwd_state_kernel, kda_bwd_wy_kernel
+from k3lab.kernels.kda_backward import (kda_bwd_dv_local_kernel, kda_bwd_intra_kernel, kda_bwd_state_kernel,
+                                        kda_bwd_wy_key_kernel, kda_bwd_wy_value_kernel)
 from k3lab.kernels.kda_decode import kda_decode_kernel
 from k3lab.kernels.kda_forward import kda_fwd_intra_kernel, kda_fwd_output_kernel, kda_fwd_state_kernel
 
@@ -31,13 +32,16 @@ ACTIVATION_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, tor
 
 # Launch parameters per kernel (H200, triton 3.6). "BV"/"BK": value/key block; the state kernels take
 # the widest value block that still gives at least `min_programs` programs, so long single sequences
-# (few B·H) still spread over the GPU's 132 SMs.
+# (few B·H) still spread over the GPU's 132 SMs. bwd_state needs num_stages=2: with 1 it hit an illegal
+# memory access on the H200 (triton 3.6).
 LAUNCH = {
     "fwd_intra": dict(BK=64, BV=64, num_warps=4, num_stages=1),
     "fwd_state": dict(BV=(64, 32, 16), min_programs=128, num_warps=4, num_stages=2),
     "fwd_output": dict(BK=64, BV=64, num_warps=4, num_stages=2),
+    "bwd_dv_local": dict(BV=64, num_warps=4, num_stages=2),
     "bwd_state": dict(BV=(64, 32, 16), min_programs=128, num_warps=4, num_stages=2),
-    "bwd_wy": dict(BK=64, BV=64, num_warps=4, num_stages=1),
+    "bwd_wy_key": dict(BK=32, BV=64, num_warps=4, num_stages=2),
+    "bwd_wy_value": dict(BV=64, num_warps=4, num_stages=1),
     "bwd_intra": dict(BK=32, num_warps=4, num_stages=1),
     "decode": dict(BV=32, num_warps=4, num_stages=1),
 }
@@ -128,26 +132,35 @@ def kda_forward(q, k, v, g, beta, scale, initial_state, output_final_state):
 
 
 def kda_backward(q, k, v, g, beta, scale, initial_state, saved, do, dht):
-    """Run the three backward kernels; returns ``(dq, dk, dv, dg, dbeta, dh0 or None)``."""
+    """Run the five backward kernels; returns ``(dq, dk, dv, dg, dbeta, dh0 or None)``."""
     qg, kg, w, gl, Aqk, Akk_inv, Mkk, hs, v_new = saved
     B, T, H, K, V, NT, BK, DT, PREC = _sizes(q, v)
     f32 = dict(dtype=torch.float32, device=q.device)
-    dhs = q.new_empty(B, NT, H, K, V)  # gradient of the state leaving each chunk
+    dP, dM = (torch.empty(B, T, H, CHUNK, **f32) for _ in range(2))
     dv_new = torch.empty_like(v, dtype=torch.float32)  # fp32: in bf16 it doubled the error of dv and dβ
+    kda_bwd_dv_local_kernel[(NT, B * H)](
+        Aqk, do, v_new, dP, dv_new, scale, T, H=H, V=V, BT=CHUNK, BV=_block(V, LAUNCH["bwd_dv_local"]["BV"]),
+        DT=DT, PREC=PREC, **_launch("bwd_dv_local"))
+    dhs = q.new_empty(B, NT, H, K, V)  # gradient of the state leaving each chunk
     dh0 = torch.empty(B, H, K, V, **f32) if initial_state is not None else None
     BV = _state_block_v("bwd_state", B * H, V)
     kda_bwd_state_kernel[(triton.cdiv(V, BV), B * H)](
-        qg, kg, w, gl, Aqk, do, dht, dhs, dv_new, dh0, T,
+        qg, kg, w, gl, do, dht, dhs, dv_new, dh0, T,
         H=H, K=K, V=V, BT=CHUNK, BK=BK, BV=BV, HAS_DHT=dht is not None, STORE_DH0=dh0 is not None,
         DT=DT, PREC=PREC, **_launch("bwd_state"))
     dq_p, dk_p, dG_p = (torch.empty(B, T, H, K, **f32) for _ in range(3))
-    dP, dM = (torch.empty(B, T, H, CHUNK, **f32) for _ in range(2))
+    cfg = LAUNCH["bwd_wy_key"]
+    BKw = _block(K, cfg["BK"])
+    NK = triton.cdiv(K, BKw)
+    dbeta_p = torch.empty(B, T, H, NK, **f32)  # dβ of each key block
+    kda_bwd_wy_key_kernel[(NK, NT, B * H)](
+        q, k, g, beta, Akk_inv, hs, dhs, do, v_new, dv_new, dq_p, dk_p, dG_p, dbeta_p, scale, T,
+        H=H, K=K, V=V, BT=CHUNK, BK=BKw, BV=_block(V, cfg["BV"]), DT=DT, PREC=PREC, **_launch("bwd_wy_key"))
     dv, dbeta = torch.empty_like(v), torch.empty_like(beta)
-    cfg = LAUNCH["bwd_wy"]
-    kda_bwd_wy_kernel[(NT, B * H)](
-        q, k, v, g, beta, Akk_inv, Mkk, hs, dhs, do, dv_new, v_new, dq_p, dk_p, dG_p, dv, dbeta, dP, dM, scale, T,
-        H=H, K=K, V=V, BT=CHUNK, BK=_block(K, cfg["BK"]), BV=_block(V, cfg["BV"]), DT=DT, PREC=PREC,
-        **_launch("bwd_wy"))
+    kda_bwd_wy_value_kernel[(NT, B * H)](
+        v, beta, Akk_inv, Mkk, v_new, dv_new, dbeta_p, dv, dbeta, dM, T,
+        H=H, V=V, NK=NK, BT=CHUNK, BV=_block(V, LAUNCH["bwd_wy_value"]["BV"]), PREC=PREC,
+        **_launch("bwd_wy_value"))
     dq, dk, dg = torch.empty_like(q), torch.empty_like(k), torch.empty_like(g)
     BKi = _block(K, LAUNCH["bwd_intra"]["BK"])
     kda_bwd_intra_kernel[(triton.cdiv(K, BKi), NT, B * H)](  # a chunk's key blocks side by side: dP, dM from L2

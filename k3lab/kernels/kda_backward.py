@@ -4,24 +4,30 @@ The forward saves the state entering every chunk (``hs``), the pseudo-values ``�
 the scaled scores ``Aqk = scale·P`` and ``qg``, ``kg``, ``W``, ``G_C``: the backward recomputes
 nothing sequential. With ``dS`` the gradient of the state *leaving* a chunk, and ``dO``:
 
-1. :func:`kda_bwd_state_kernel`, grid (V blocks, B·H), chunks in reverse — the only sequential part::
+1. :func:`kda_bwd_dv_local_kernel`, grid (chunks, B·H): the chunk-local part of the output's gradient,
+   ``dP = scale·(dO Ṽᵀ)`` (lower, to a scratch buffer) and ``dṼ_local = Aqkᵀ dO``, in parallel over chunks.
+2. :func:`kda_bwd_state_kernel`, grid (V blocks, B·H), chunks in reverse — the only sequential part::
 
-        dṼ = Aqkᵀ dO + kg dS                         (Ṽ feeds the output and the next state)
+        dṼ = dṼ_local + kg dS                        (Ṽ feeds the output and the next state)
         dS ← Diag(Γ_C) dS + qgᵀ dO − Wᵀ dṼ           (gradient of the state entering the chunk)
 
    It stores ``dS`` per chunk and ``dṼ`` (= ``dU``, since ``Ṽ = U − W S``); the last ``dS`` is ``dh0``.
-2. :func:`kda_bwd_wy_kernel`, grid (chunks, B·H): the chunk-level (inter-chunk and UT-transform)
-   gradients::
+3. :func:`kda_bwd_wy_key_kernel`, grid (K blocks, chunks, B·H): the chunk-level (inter-chunk and
+   UT-transform) gradients of one block of key channels::
 
         dq   = scale Γ ⊙ (dO Sᵀ)                      dK̃ = Ṽ dS'ᵀ → dk += exp(G_C − G) ⊙ dK̃
-        dW   = −dṼ Sᵀ            d(βΓK) = A⁻ᵀ dW       d(βV) = A⁻ᵀ dṼ  → dv, dβ, dk
-        dA⁻¹ = dW (βΓK)ᵀ + dṼ (βV)ᵀ                   dL = −A⁻ᵀ dA⁻¹ A⁻ᵀ (strictly lower)
-        dβ_i += Σ_j dL_ij M_ij,   dM = Diag(β) dL,   dP = scale·(dO Ṽᵀ) (lower)
+        dW   = −dṼ Sᵀ            d(βΓK) = A⁻ᵀ dW       → dk, a partial dβ per key block
 
    plus ``dG`` from every place a decay appears (``q ⊙ dq`` where G enters with a plus sign,
    ``−k ⊙ dk`` where it enters with a minus sign, and the ``G_C`` terms on the last row).
-   Partial ``dq, dk, dG`` (fp32) and ``dP, dM`` go to scratch buffers.
-3. :func:`kda_bwd_intra_kernel`, grid (K blocks, chunks, B·H): the gradients through the 16-token
+   Partial ``dq, dk, dG`` (fp32) go to scratch buffers.
+4. :func:`kda_bwd_wy_value_kernel`, grid (chunks, B·H): the value side and the UT transform. Since
+   ``A Ṽ = βV − βΓK S =: Y``, with ``dY = A⁻ᵀ dṼ``::
+
+        d(βV) = dY → dv, dβ;    dL = −dY Ṽᵀ (strictly lower);    dβ_i += Σ_j dL_ij M_ij;    dM = Diag(β) dL
+
+   and the final ``dβ`` (adding the key blocks' partials); ``dM`` goes to a scratch buffer.
+5. :func:`kda_bwd_intra_kernel`, grid (K blocks, chunks, B·H): the gradients through the 16-token
    score tiles, anchored like the forward, then ``dg = reverse cumsum of dG`` in the chunk.
 """
 
@@ -32,9 +38,45 @@ from k3lab.kernels.kda_forward import decay_to_end, mm, mm_fp32
 
 
 @triton.jit(do_not_specialize=["T"])
+def kda_bwd_dv_local_kernel(
+    Aqk, do, v_new,   # inputs
+    dP, dv_new,       # outputs: dP [B, T, H, BT] fp32, the local part of dṼ [B, T, H, V] fp32
+    scale, T,
+    H: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BV: tl.constexpr,
+    DT: tl.constexpr, PREC: tl.constexpr,
+):
+    """The parallel, chunk-local part of the output's gradient, for one chunk::
+
+        dP = scale · dO Ṽᵀ   (lower)         dṼ_local = Aqkᵀ dO
+
+    ``dṼ_local`` seeds ``dv_new``; :func:`kda_bwd_state_kernel` adds ``kg dS`` in place.
+    """
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    seq = i_b.to(tl.int64) * T * H + i_h
+    Aqk, dP, do, v_new, dv_new = Aqk + seq * BT, dP + seq * BT, do + seq * V, v_new + seq * V, dv_new + seq * V
+    rows = tl.arange(0, BT)
+    o_t = i_t * BT + rows
+    m_t = o_t < T
+    p_tA = o_t[:, None] * (H * BT) + rows[None, :]
+    b_A = tl.load(Aqk + p_tA, mask=m_t[:, None], other=0.0)  # [BT, BT] scale·P
+    b_dP = tl.zeros([BT, BT], dtype=tl.float32)
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_tv = m_t[:, None] & (o_v < V)[None, :]
+        p_tv = o_t[:, None] * (H * V) + o_v[None, :]
+        b_do = tl.load(do + p_tv, mask=m_tv, other=0.0)
+        b_vn = tl.load(v_new + p_tv, mask=m_tv, other=0.0)
+        b_dP += mm(b_do, tl.trans(b_vn), DT, PREC)
+        tl.store(dv_new + p_tv, mm_fp32(tl.trans(b_A), b_do, PREC), mask=m_tv)
+    tl.store(dP + p_tA, tl.where(rows[:, None] >= rows[None, :], b_dP * scale, 0.0), mask=m_t[:, None])
+
+
+@triton.jit(do_not_specialize=["T"])
 def kda_bwd_state_kernel(
-    qg, kg, w, gl, Aqk, do, dht,   # inputs (dht [B, H, K, V] fp32, read if HAS_DHT)
-    dhs, dv_new, dh0,              # outputs: dS per chunk [B, NT, H, K, V], dṼ [B, T, H, V], dh0 fp32
+    qg, kg, w, gl, do, dht,   # inputs (dht [B, H, K, V] fp32, read if HAS_DHT)
+    dhs, dv_new, dh0,         # outputs: dS per chunk [B, NT, H, K, V], dṼ [B, T, H, V] (in: Aqkᵀ dO), dh0 fp32
     T,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -43,15 +85,16 @@ def kda_bwd_state_kernel(
     """Reverse recurrence for a ``[K, BV]`` slice of the state gradient (fp32 in registers)::
 
         for each chunk t, last to first:
-            dhs[t] = dS;   dṼ = Aqkᵀ dO + kg dS;   dS ← Diag(Γ_C) dS + qgᵀ dO − Wᵀ dṼ
+            dhs[t] = dS;   dṼ = dṼ_local + kg dS;   dS ← Diag(Γ_C) dS + qgᵀ dO − Wᵀ dṼ
+
+    ``dṼ_local = Aqkᵀ dO`` comes from :func:`kda_bwd_dv_local_kernel`; ``dṼ`` overwrites it.
     """
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
     NT = tl.cdiv(T, BT)
     seq = i_b.to(tl.int64) * T * H + i_h
-    qg, kg, w, Aqk = qg + seq * K, kg + seq * K, w + seq * K, Aqk + seq * BT
+    qg, kg, w = qg + seq * K, kg + seq * K, w + seq * K
     do, dv_new = do + seq * V, dv_new + seq * V
-    rows = tl.arange(0, BT)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_k = o_k < K
@@ -65,17 +108,16 @@ def kda_bwd_state_kernel(
         i_t = NT - 1 - i_r
         p_dh = dhs + ((i_b.to(tl.int64) * NT + i_t) * H + i_h) * K * V
         tl.store(p_dh + p_kv, b_dh.to(dhs.dtype.element_ty), mask=m_kv)
-        o_t = i_t * BT + rows
+        o_t = i_t * BT + tl.arange(0, BT)
         m_t = o_t < T
         p_tk = o_t[:, None] * (H * K) + o_k[None, :]
         p_tv = o_t[:, None] * (H * V) + o_v[None, :]
         m_tk = m_t[:, None] & m_k[None, :]
         m_tv = m_t[:, None] & (o_v < V)[None, :]
-        b_A = tl.load(Aqk + o_t[:, None] * (H * BT) + rows[None, :], mask=m_t[:, None], other=0.0)
         b_do = tl.load(do + p_tv, mask=m_tv, other=0.0)
         b_kg = tl.load(kg + p_tk, mask=m_tk, other=0.0)
-        b_dvn = mm_fp32(tl.trans(b_A), b_do, PREC) + mm(b_kg, b_dh, DT, PREC)  # [BT, BV]
-        tl.store(dv_new + p_tv, b_dvn.to(dv_new.dtype.element_ty), mask=m_tv)
+        b_dvn = tl.load(dv_new + p_tv, mask=m_tv, other=0.0) + mm(b_kg, b_dh, DT, PREC)  # [BT, BV]
+        tl.store(dv_new + p_tv, b_dvn, mask=m_tv)
         b_qg = tl.load(qg + p_tk, mask=m_tk, other=0.0)
         b_w = tl.load(w + p_tk, mask=m_tk, other=0.0)
         b_gl = tl.load(gl + ((i_b.to(tl.int64) * NT + i_t) * H + i_h) * K + o_k, mask=m_k, other=0.0)
@@ -85,112 +127,138 @@ def kda_bwd_state_kernel(
 
 
 @triton.jit(do_not_specialize=["T"])
-def kda_bwd_wy_kernel(
-    q, k, v, g, beta, Akk_inv, Mkk, hs, dhs, do, dv_new, v_new,   # inputs
-    dq_p, dk_p, dG_p, dv, dbeta, dP, dM,                           # outputs
+def kda_bwd_wy_key_kernel(
+    q, k, g, beta, Akk_inv, hs, dhs, do, v_new, dv_new,   # inputs
+    dq_p, dk_p, dG_p, dbeta_p,                           # outputs (dbeta_p [B, T, H, NK] fp32)
     scale, T,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     DT: tl.constexpr, PREC: tl.constexpr,
 ):
-    """Chunk-level gradients of one chunk (see the module docstring). ``S`` is ``hs[t]``, the state
-    entering the chunk, and ``dS'`` is ``dhs[t]``, the gradient of the state leaving it.
+    """Key side of the chunk-level gradients for one chunk and one block of ``BK`` key channels.
+    ``S`` is ``hs[t]``, the state entering the chunk, and ``dS'`` is ``dhs[t]``, the gradient of the
+    state leaving it::
+
+        dq = scale Γ ⊙ (dO Sᵀ)       dk = exp(G_C − G) ⊙ (Ṽ dS'ᵀ) + βΓ ⊙ d(βΓK)
+        d(βΓK) = −A⁻ᵀ (dṼ Sᵀ)        dβ_partial = Σ_{d in block} d(βΓK) ⊙ Γ ⊙ K
 
     Decay gradients (``dG`` before the in-chunk reverse cumsum), for the terms handled here::
 
         dG += q ⊙ dq                 (Γ ⊙ Q in the output)
-        dG −= kg ⊙ dK̃                (exp(−G) in kg = exp(G_C − G) ⊙ K)
+        dG −= kg ⊙ dK̃                (exp(−G) in kg = exp(G_C − G) ⊙ K, dK̃ = Ṽ dS'ᵀ)
         dG += βΓk ⊙ d(βΓK)          (Γ in W)
         dG_C += Γ_C ⊙ Σ_v S ⊙ dS' + Σ_r kg ⊙ dK̃     (on the last valid row)
+
+    Per program: three ``[BT, V] × [V, BK]`` products in DT, one ``[BT, BT] × [BT, BK]`` in tf32,
+    two scans of ``g``.
     """
-    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_k, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    NK = tl.num_programs(0)
     i_b, i_h = i_bh // H, i_bh % H
     NT = tl.cdiv(T, BT)
     t0 = i_t * BT
     seq = i_b.to(tl.int64) * T * H + i_h
     q, k, g, dq_p, dk_p, dG_p = q + seq * K, k + seq * K, g + seq * K, dq_p + seq * K, dk_p + seq * K, dG_p + seq * K
-    v, do, dv_new, v_new, dv = v + seq * V, do + seq * V, dv_new + seq * V, v_new + seq * V, dv + seq * V
-    beta, dbeta = beta + seq, dbeta + seq
-    Akk_inv, Mkk, dP, dM = Akk_inv + seq * BT, Mkk + seq * BT, dP + seq * BT, dM + seq * BT
+    do, v_new, dv_new = do + seq * V, v_new + seq * V, dv_new + seq * V
+    beta, dbeta_p, Akk_inv = beta + seq, dbeta_p + seq * NK, Akk_inv + seq * BT
     rows = tl.arange(0, BT)
     o_t = t0 + rows
     m_t = o_t < T
     last = tl.minimum(T - t0, BT) - 1  # last valid row of the chunk
-    p_tA = o_t[:, None] * (H * BT) + rows[None, :]
+    o_k = i_k * BK + tl.arange(0, BK)
+    m_k = o_k < K
+    m_tk = m_t[:, None] & m_k[None, :]
     p_state = ((i_b.to(tl.int64) * NT + i_t) * H + i_h) * K * V
+    b_dqg = tl.zeros([BT, BK], dtype=tl.float32)  # dO Sᵀ
+    b_dkt = tl.zeros([BT, BK], dtype=tl.float32)  # Ṽ dS'ᵀ  (gradient of kg)
+    b_dw = tl.zeros([BT, BK], dtype=tl.float32)   # dṼ Sᵀ  (= −dW)
+    b_hdh = tl.zeros([BK], dtype=tl.float32)      # Σ_v S ⊙ dS'
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_tv = m_t[:, None] & (o_v < V)[None, :]
+        m_kv = m_k[:, None] & (o_v < V)[None, :]
+        p_tv = o_t[:, None] * (H * V) + o_v[None, :]
+        b_do = tl.load(do + p_tv, mask=m_tv, other=0.0)
+        b_vn = tl.load(v_new + p_tv, mask=m_tv, other=0.0)
+        b_dvn = tl.load(dv_new + p_tv, mask=m_tv, other=0.0)
+        b_h = tl.load(hs + p_state + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.0)
+        b_dh = tl.load(dhs + p_state + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.0)
+        b_dqg += mm(b_do, tl.trans(b_h), DT, PREC)
+        b_dkt += mm(b_vn, tl.trans(b_dh), DT, PREC)
+        b_dw += mm(b_dvn, tl.trans(b_h), DT, PREC)
+        b_hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), 1)
+    p_tk = o_t[:, None] * (H * K) + o_k[None, :]
+    b_beta = tl.load(beta + o_t * H, mask=m_t, other=0.0).to(tl.float32)
+    b_q = tl.load(q + p_tk, mask=m_tk, other=0.0).to(tl.float32)
+    b_k = tl.load(k + p_tk, mask=m_tk, other=0.0).to(tl.float32)
+    b_g = tl.load(g + p_tk, mask=m_tk, other=0.0).to(tl.float32)
+    b_gam = tl.exp(tl.cumsum(b_g, 0))
+    b_dec = tl.exp(decay_to_end(b_g))  # exp(G_C − G)
+    b_kg = b_k * b_dec
+    b_Ai = tl.load(Akk_inv + o_t[:, None] * (H * BT) + rows[None, :], mask=m_t[:, None], other=0.0)
+    b_dkbg = -mm_fp32(tl.trans(b_Ai), b_dw, PREC)  # d(βΓK) = A⁻ᵀ dW
+    b_dq = scale * b_gam * b_dqg
+    b_dk = b_dec * b_dkt + b_beta[:, None] * b_gam * b_dkbg
+    b_dG = b_q * b_dq - b_kg * b_dkt + b_beta[:, None] * b_gam * b_k * b_dkbg
+    b_dGC = tl.exp(tl.sum(b_g, 0)) * b_hdh + tl.sum(b_kg * b_dkt, 0)
+    b_dG += tl.where(rows[:, None] == last, b_dGC[None, :], 0.0)
+    tl.store(dq_p + p_tk, b_dq, mask=m_tk)
+    tl.store(dk_p + p_tk, b_dk, mask=m_tk)
+    tl.store(dG_p + p_tk, b_dG, mask=m_tk)
+    tl.store(dbeta_p + o_t * (H * NK) + i_k, tl.sum(b_dkbg * b_gam * b_k, 1), mask=m_t)
+
+
+@triton.jit(do_not_specialize=["T"])
+def kda_bwd_wy_value_kernel(
+    v, beta, Akk_inv, Mkk, v_new, dv_new, dbeta_p,   # inputs (dbeta_p [B, T, H, NK] fp32)
+    dv, dbeta, dM,                                   # outputs
+    T,
+    H: tl.constexpr, V: tl.constexpr, NK: tl.constexpr,
+    BT: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+):
+    """Value side of the chunk-level gradients and the gradient through the UT transform, one chunk.
+
+    ``Ṽ = A⁻¹ Y`` with ``Y = βV − βΓK S``, i.e. ``A Ṽ = Y``; so with ``dY = A⁻ᵀ dṼ``::
+
+        d(βV) = dY  → dv = β ⊙ dY,  dβ += Σ_v dY ⊙ V
+        dA = −dY Ṽᵀ  → dL = its strictly lower part (A = I + Diag(β) M),
+        dβ_i += Σ_j dL_ij M_ij,   dM = Diag(β) dL
+
+    (the same as ``dL = −A⁻ᵀ dA⁻¹ A⁻ᵀ`` with ``dA⁻¹ = dṼ (βV)ᵀ + dW (βΓK)ᵀ``, since ``A⁻¹ Y = Ṽ``,
+    without forming ``dA⁻¹``), plus the key side's partial ``dβ`` of every key block.
+    Per program: two ``[BT, BT] × [BT, V]``-sized products in tf32, no scans.
+    """
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // H, i_bh % H
+    seq = i_b.to(tl.int64) * T * H + i_h
+    v, v_new, dv_new, dv = v + seq * V, v_new + seq * V, dv_new + seq * V, dv + seq * V
+    beta, dbeta, dbeta_p = beta + seq, dbeta + seq, dbeta_p + seq * NK
+    Akk_inv, Mkk, dM = Akk_inv + seq * BT, Mkk + seq * BT, dM + seq * BT
+    rows = tl.arange(0, BT)
+    o_t = i_t * BT + rows
+    m_t = o_t < T
+    p_tA = o_t[:, None] * (H * BT) + rows[None, :]
     b_beta = tl.load(beta + o_t * H, mask=m_t, other=0.0).to(tl.float32)
     b_Ai = tl.load(Akk_inv + p_tA, mask=m_t[:, None], other=0.0)  # [BT, BT]
-
-    # value side: dP = dO Ṽᵀ, d(βV) = A⁻ᵀ dṼ, dA⁻¹ = dṼ (βV)ᵀ
     b_dA = tl.zeros([BT, BT], dtype=tl.float32)
-    b_dAi = tl.zeros([BT, BT], dtype=tl.float32)
     b_dbeta = tl.zeros([BT], dtype=tl.float32)
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_tv = m_t[:, None] & (o_v < V)[None, :]
         p_tv = o_t[:, None] * (H * V) + o_v[None, :]
-        b_do = tl.load(do + p_tv, mask=m_tv, other=0.0)
-        b_vn = tl.load(v_new + p_tv, mask=m_tv, other=0.0)
         b_dvn = tl.load(dv_new + p_tv, mask=m_tv, other=0.0)
+        b_vn = tl.load(v_new + p_tv, mask=m_tv, other=0.0)
         b_v = tl.load(v + p_tv, mask=m_tv, other=0.0).to(tl.float32)
-        b_dA += mm(b_do, tl.trans(b_vn), DT, PREC)
-        b_dvb = mm_fp32(tl.trans(b_Ai), b_dvn, PREC)  # d(βV) [BT, BV]
-        tl.store(dv + p_tv, (b_dvb * b_beta[:, None]).to(dv.dtype.element_ty), mask=m_tv)
-        b_dbeta += tl.sum(b_dvb * b_v, 1)
-        b_dAi += mm_fp32(b_dvn, tl.trans(b_v * b_beta[:, None]), PREC)
-    tl.store(dP + p_tA, tl.where(rows[:, None] >= rows[None, :], b_dA * scale, 0.0), mask=m_t[:, None])
-
-    # key side, one block of key channels at a time
-    for i_k in range(tl.cdiv(K, BK)):
-        o_k = i_k * BK + tl.arange(0, BK)
-        m_k = o_k < K
-        m_tk = m_t[:, None] & m_k[None, :]
-        b_dqg = tl.zeros([BT, BK], dtype=tl.float32)  # dO Sᵀ
-        b_dkt = tl.zeros([BT, BK], dtype=tl.float32)  # Ṽ dS'ᵀ  (gradient of kg)
-        b_dw = tl.zeros([BT, BK], dtype=tl.float32)   # dṼ Sᵀ  (= −dW)
-        b_hdh = tl.zeros([BK], dtype=tl.float32)      # Σ_v S ⊙ dS'
-        for i_v in range(tl.cdiv(V, BV)):
-            o_v = i_v * BV + tl.arange(0, BV)
-            m_tv = m_t[:, None] & (o_v < V)[None, :]
-            m_kv = m_k[:, None] & (o_v < V)[None, :]
-            p_tv = o_t[:, None] * (H * V) + o_v[None, :]
-            b_do = tl.load(do + p_tv, mask=m_tv, other=0.0)
-            b_vn = tl.load(v_new + p_tv, mask=m_tv, other=0.0)
-            b_dvn = tl.load(dv_new + p_tv, mask=m_tv, other=0.0)
-            b_h = tl.load(hs + p_state + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.0)
-            b_dh = tl.load(dhs + p_state + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.0)
-            b_dqg += mm(b_do, tl.trans(b_h), DT, PREC)
-            b_dkt += mm(b_vn, tl.trans(b_dh), DT, PREC)
-            b_dw += mm(b_dvn, tl.trans(b_h), DT, PREC)
-            b_hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), 1)
-        p_tk = o_t[:, None] * (H * K) + o_k[None, :]
-        b_q = tl.load(q + p_tk, mask=m_tk, other=0.0).to(tl.float32)
-        b_k = tl.load(k + p_tk, mask=m_tk, other=0.0).to(tl.float32)
-        b_g = tl.load(g + p_tk, mask=m_tk, other=0.0).to(tl.float32)
-        b_gl = tl.sum(b_g, 0)
-        b_gam = tl.exp(tl.cumsum(b_g, 0))
-        b_dec = tl.exp(decay_to_end(b_g))  # exp(G_C − G)
-        b_kg = b_k * b_dec
-        b_kbg = b_k * b_beta[:, None] * b_gam  # βΓ ⊙ K, the right-hand side of W
-        b_dq = scale * b_gam * b_dqg
-        b_dk = b_dec * b_dkt
-        b_dkbg = -mm_fp32(tl.trans(b_Ai), b_dw, PREC)  # d(βΓK) = A⁻ᵀ dW
-        b_dk += b_beta[:, None] * b_gam * b_dkbg
-        b_dbeta += tl.sum(b_dkbg * b_gam * b_k, 1)
-        b_dG = b_q * b_dq - b_kg * b_dkt + b_kbg * b_dkbg
-        b_dGC = tl.exp(b_gl) * b_hdh + tl.sum(b_kg * b_dkt, 0)
-        b_dG += tl.where(rows[:, None] == last, b_dGC[None, :], 0.0)
-        b_dAi -= mm_fp32(b_dw, tl.trans(b_kbg), PREC)
-        tl.store(dq_p + p_tk, b_dq, mask=m_tk)
-        tl.store(dk_p + p_tk, b_dk, mask=m_tk)
-        tl.store(dG_p + p_tk, b_dG, mask=m_tk)
-
-    # through the inverse: dL = −A⁻ᵀ dA⁻¹ A⁻ᵀ, kept strictly lower
-    b_dL = -mm_fp32(mm_fp32(tl.trans(b_Ai), b_dAi, PREC), tl.trans(b_Ai), PREC)
-    b_dL = tl.where(rows[:, None] > rows[None, :], b_dL, 0.0)
+        b_dy = mm_fp32(tl.trans(b_Ai), b_dvn, PREC)  # dY = d(βV) [BT, BV]
+        tl.store(dv + p_tv, (b_dy * b_beta[:, None]).to(dv.dtype.element_ty), mask=m_tv)
+        b_dbeta += tl.sum(b_dy * b_v, 1)
+        b_dA -= mm_fp32(b_dy, tl.trans(b_vn), PREC)
+    b_dL = tl.where(rows[:, None] > rows[None, :], b_dA, 0.0)
     b_M = tl.load(Mkk + p_tA, mask=m_t[:, None], other=0.0)
     b_dbeta += tl.sum(b_dL * b_M, 1)
     tl.store(dM + p_tA, b_dL * b_beta[:, None], mask=m_t[:, None])
+    for i_k in tl.static_range(NK):
+        b_dbeta += tl.load(dbeta_p + o_t * (H * NK) + i_k, mask=m_t, other=0.0)
     tl.store(dbeta + o_t * H, b_dbeta.to(dbeta.dtype.element_ty), mask=m_t)
 
 
