@@ -86,8 +86,8 @@ def test_interpreter_suite():
 @needs_kernels
 @pytest.mark.parametrize(
     "B, T, H, K, V, with_state",
-    [(1, 64, 1, 16, 16, True), (2, 37, 2, 16, 32, False), (1, 130, 1, 32, 16, True)],
-    ids=["B1-T64-H1-K16-V16-h0", "B2-T37-H2-K16-V32", "B1-T130-H1-K32-V16-h0"],
+    [(1, 64, 1, 16, 16, True), (2, 37, 2, 16, 32, False), (1, 130, 1, 32, 16, True), (1, 80, 1, 128, 128, True)],
+    ids=["B1-T64-H1-K16-V16-h0", "B2-T37-H2-K16-V32", "B1-T130-H1-K32-V16-h0", "B1-T80-H1-K128-V128-h0"],
 )
 def test_chunk_fp32(B, T, H, K, V, with_state):
     check_against_reference(B, T, H, K, V, torch.float32, seed=T, with_state=with_state)
