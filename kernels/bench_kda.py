@@ -73,7 +73,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tune", action="store_true", help="time launch-parameter candidates before the table")
     parser.add_argument("--json", default=None, help="write all numbers to this file")
-    parser.add_argument("--skip-first-call", action="store_true", help="do not time cold first calls")
+    parser.add_argument("--first-call", default="both", choices=("both", "ours", "none"),
+                        help="time cold first calls of both kernels, ours only, or none")
     parser.add_argument("--skip-reference", action="store_true", help="do not time the torch reference")
     args = parser.parse_args()
     use_fla_autotune_cache()
@@ -167,7 +168,10 @@ def main():
 
     if args.tune:
         candidates = {
-            "fwd_intra": [dict(BK=64, BV=64, num_warps=4), dict(BK=64, BV=32, num_warps=8)],
+            "fwd_gate": [dict(BK=32, num_warps=4), dict(BK=16, num_warps=2)],
+            "fwd_scores": [dict(BK=32, num_warps=2), dict(BK=64, num_warps=2), dict(BK=64, num_warps=4)],
+            "fwd_solve": [dict(num_warps=4), dict(num_warps=2)],
+            "fwd_wu": [dict(BK=64, BV=64, num_warps=4), dict(BK=32, BV=32, num_warps=4)],
             "fwd_state": [dict(BV=(64, 32, 16), min_programs=128, num_warps=4),
                           dict(BV=(32, 16), min_programs=256, num_warps=4)],
             "fwd_output": [dict(BK=64, BV=64, num_warps=4), dict(BK=64, BV=64, num_warps=8)],
@@ -175,7 +179,7 @@ def main():
                           dict(BV=(32, 16), min_programs=256, num_warps=4)],
             "bwd_wy_key": [dict(BK=32, BV=64, num_warps=4), dict(BK=64, BV=64, num_warps=8),
                            dict(BK=16, BV=64, num_warps=4)],
-            "bwd_intra": [dict(BK=64, num_warps=4), dict(BK=32, num_warps=8), dict(BK=64, num_warps=8)],
+            "bwd_intra": [dict(BK=32, num_warps=4), dict(BK=64, num_warps=8), dict(BK=32, num_warps=8)],
         }
         for name, cands in candidates.items():
             best = None
@@ -234,8 +238,9 @@ def main():
                                                                                     else 3.5) * flops / fb / 1e9))
         print(f"done B{B} T{T}", flush=True)
 
-    if not args.skip_first_call:
-        results["first_call"] = {w: first_call_seconds(w) for w in ("ours", "fla")}
+    if args.first_call != "none":
+        results["first_call"] = {w: first_call_seconds(w) for w in (("ours", "fla") if args.first_call == "both"
+                                                                     else ("ours",))}
 
     if args.json:
         with open(args.json, "w") as f:

@@ -20,7 +20,8 @@ import triton.language as tl
 from k3lab.kernels.kda_backward import (kda_bwd_dv_local_kernel, kda_bwd_intra_kernel, kda_bwd_state_kernel,
                                         kda_bwd_wy_key_kernel, kda_bwd_wy_value_kernel)
 from k3lab.kernels.kda_decode import kda_decode_kernel
-from k3lab.kernels.kda_forward import kda_fwd_intra_kernel, kda_fwd_output_kernel, kda_fwd_state_kernel
+from k3lab.kernels.kda_forward import (kda_fwd_gate_kernel, kda_fwd_output_kernel, kda_fwd_scores_kernel,
+                                      kda_fwd_solve_kernel, kda_fwd_state_kernel, kda_fwd_wu_kernel)
 
 Tensor = torch.Tensor
 
@@ -35,7 +36,10 @@ ACTIVATION_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, tor
 # (few B·H) still spread over the GPU's 132 SMs. bwd_state needs num_stages=2: with 1 it hit an illegal
 # memory access on the H200 (triton 3.6).
 LAUNCH = {
-    "fwd_intra": dict(BK=64, BV=64, num_warps=4, num_stages=1),
+    "fwd_gate": dict(BK=32, num_warps=4, num_stages=1),
+    "fwd_scores": dict(BK=32, num_warps=2, num_stages=1),
+    "fwd_solve": dict(num_warps=4, num_stages=1),
+    "fwd_wu": dict(BK=64, BV=64, num_warps=4, num_stages=1),
     "fwd_state": dict(BV=(64, 32, 16), min_programs=128, num_warps=4, num_stages=2),
     "fwd_output": dict(BK=64, BV=64, num_warps=4, num_stages=2),
     "bwd_dv_local": dict(BV=64, num_warps=4, num_stages=2),
@@ -111,10 +115,18 @@ def kda_forward(q, k, v, g, beta, scale, initial_state, output_final_state):
     u = torch.empty_like(v, dtype=torch.float32)  # fp32: Ṽ = U − W S cancels; U in bf16 doubled the error
     gl = torch.empty(B, NT, H, K, **f32)  # G_C per chunk
     Aqk, Akk_inv, Mkk = (torch.empty(B, T, H, CHUNK, **f32) for _ in range(3))
-    kda_fwd_intra_kernel[(NT, B * H)](
-        q, k, v, g, beta, qg, kg, w, u, gl, Aqk, Akk_inv, Mkk, scale, T,
-        H=H, K=K, V=V, BT=CHUNK, BC=TILE, BK=_block(K, LAUNCH["fwd_intra"]["BK"]),
-        BV=_block(V, LAUNCH["fwd_intra"]["BV"]), DT=DT, PREC=PREC, **_launch("fwd_intra"))
+    G = torch.empty(B, T, H, K, **f32)  # in-chunk cumulative decay, scratch
+    BKg = _block(K, LAUNCH["fwd_gate"]["BK"])
+    kda_fwd_gate_kernel[(triton.cdiv(K, BKg), NT, B * H)](
+        q, k, g, G, qg, kg, gl, scale, T, H=H, K=K, BT=CHUNK, BK=BKg, **_launch("fwd_gate"))
+    kda_fwd_scores_kernel[(NT, CHUNK // TILE, B * H)](
+        q, k, G, beta, Aqk, Mkk, Akk_inv, scale, T,
+        H=H, K=K, BT=CHUNK, BC=TILE, BK=_block(K, LAUNCH["fwd_scores"]["BK"]), PREC=PREC, **_launch("fwd_scores"))
+    kda_fwd_solve_kernel[(NT, B * H)](
+        beta, Mkk, Akk_inv, T, H=H, BT=CHUNK, BC=TILE, PREC=PREC, **_launch("fwd_solve"))
+    BKw, BVw = _block(K, LAUNCH["fwd_wu"]["BK"]), _block(V, LAUNCH["fwd_wu"]["BV"])
+    kda_fwd_wu_kernel[(triton.cdiv(K, BKw) + triton.cdiv(V, BVw), NT, B * H)](
+        k, v, G, beta, Akk_inv, w, u, T, H=H, K=K, V=V, BT=CHUNK, BK=BKw, BV=BVw, PREC=PREC, **_launch("fwd_wu"))
     hs = q.new_empty(B, NT, H, K, V)  # state entering each chunk
     v_new = torch.empty_like(v)
     final_state = torch.empty(B, H, K, V, **f32) if output_final_state else None

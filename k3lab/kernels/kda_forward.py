@@ -1,4 +1,4 @@
-"""Triton forward kernels of chunkwise KDA (K3 spec §2.3), one program per chunk or per value block.
+"""Triton forward kernels of chunkwise KDA (K3 spec §2.3), one program per chunk, tile or block.
 
 Notation (one batch row b, one head h; the sequence is cut into chunks of C = BT = 64 tokens, the
 last one masked). Inside a chunk, rows r = 0..C-1, ``G_r = Σ_{i≤r} g_i`` is the in-chunk cumulative
@@ -12,14 +12,17 @@ log-decay (per key channel), ``Γ_r = exp(G_r)``, and ``S`` the state entering t
     O     = scale (Γ ⊙ Q) S + scale P Ṽ
     S'    = Diag(Γ_C) S + (exp(G_C − G) ⊙ K)ᵀ Ṽ
 
-Three kernels:
+Six kernels:
 
-1. :func:`kda_fwd_intra_kernel`, grid (chunks, B·H): everything that stays inside one chunk — G, the
-   score matrices on 16-token tiles, A⁻¹ by block forward substitution, W, U and the rescaled
-   ``qg = scale Γ ⊙ Q`` and ``kg = exp(G_C − G) ⊙ K``.
-2. :func:`kda_fwd_state_kernel`, grid (V blocks, B·H): the only sequential part, chunk after chunk:
+1. :func:`kda_fwd_gate_kernel`, grid (key blocks, chunks, B·H): the in-chunk cumulative decay ``G``
+   (fp32 scratch), ``qg = scale Γ ⊙ Q``, ``kg = exp(G_C − G) ⊙ K`` and ``G_C``.
+2. :func:`kda_fwd_scores_kernel`, grid (chunks, 16-token tiles, B·H): one tile's rows of the score
+   matrices ``P`` and ``M``, and the inverse of its 16×16 diagonal block of ``I + Diag(β) M``.
+3. :func:`kda_fwd_solve_kernel`, grid (chunks, B·H): A⁻¹ from the diagonal inverses (a nilpotent series).
+4. :func:`kda_fwd_wu_kernel`, grid (key + value blocks, chunks, B·H): W or U of one block.
+5. :func:`kda_fwd_state_kernel`, grid (V blocks, B·H): the only sequential part, chunk after chunk:
    ``Ṽ = U − W S`` and ``S ← Diag(Γ_C) S + kgᵀ Ṽ``; stores the state entering every chunk.
-3. :func:`kda_fwd_output_kernel`, grid (chunks, V blocks, B·H): ``O = qg S + (scale P) Ṽ``.
+6. :func:`kda_fwd_output_kernel`, grid (chunks, V blocks, B·H): ``O = qg S + (scale P) Ṽ``.
 
 **Why the bounded gate matters here (the e^80 argument).** ``exp(G_i − G_j)`` cannot be split as
 ``exp(G_i) · exp(−G_j)`` over a whole chunk: with ``g`` down to −5, ``−G_j`` reaches 315 and
@@ -83,126 +86,199 @@ def decay_to_end(b_g):
 
 
 @triton.jit
-def invert_unit_lower_16(D, BC: tl.constexpr):
-    """``(I + D)⁻¹`` for a strictly lower-triangular ``D [BC, BC]`` by forward substitution.
+def invert_unit_lower_16_in_place(p_D, row_stride, n_rows, D, BC: tl.constexpr):
+    """Overwrite a strictly lower-triangular ``D [BC, BC]`` in global memory (row r at ``p_D + r·row_stride``,
+    only its first ``n_rows`` rows exist) with ``(I + D)⁻¹``, by forward substitution.
 
-    Row r of the inverse is ``x_r = e_r − Σ_{s<r} D_rs x_s``: 15 steps on a 16×16 tile.
+    Row r of the inverse is ``x_r = e_r − Σ_{s<r} D_rs x_s``: 15 steps on a 16×16 tile; row r of D is read
+    back from memory (L1) rather than extracted from registers, which saves a reduction per step.
     """
     o_c = tl.arange(0, BC)
+    tl.store(p_D + o_c[:, None] * row_stride + o_c[None, :], D, mask=(o_c < n_rows)[:, None])
+    tl.debug_barrier()  # every row of D stored before any is read back
     X = tl.where(o_c[:, None] == o_c[None, :], 1.0, 0.0)
     for r in range(1, BC):
-        d_r = tl.sum(tl.where(o_c[:, None] == r, D, 0.0), 0)  # [BC] row r of D (entries s < r)
+        m_r = (o_c < r) & (tl.full([BC], r, tl.int32) < n_rows)
+        d_r = tl.load(p_D + r * row_stride + o_c, mask=m_r, other=0.0)  # [BC] row r of D
         x_r = tl.where(o_c == r, 1.0, 0.0) - tl.sum(d_r[:, None] * X, 0)
         X = tl.where(o_c[:, None] == r, x_r[None, :], X)
-    return X
+    tl.debug_barrier()  # every row of D read before the inverse overwrites it
+    tl.store(p_D + o_c[:, None] * row_stride + o_c[None, :], X, mask=(o_c < n_rows)[:, None])
 
 
 @triton.jit(do_not_specialize=["T"])
-def kda_fwd_intra_kernel(
-    q, k, v, g, beta,                      # inputs [B, T, H, K|V], beta [B, T, H]
-    qg, kg, w, u, gl, Aqk, Akk_inv, Mkk,   # outputs
+def kda_fwd_gate_kernel(
+    q, k, g,            # inputs [B, T, H, K]
+    G, qg, kg, gl,      # outputs: G [B, T, H, K] fp32 (scratch for the next kernels), qg, kg, gl [B, NT, H, K]
     scale, T,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    DT: tl.constexpr, PREC: tl.constexpr,
+    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
 ):
-    """One chunk of one head: scores on 16-token tiles, the UT transform, W, U, qg, kg.
+    """One key block of one chunk of one head, grid (key blocks, chunks, B·H): the in-chunk cumulative
+    decay ``G_r = Σ_{r'≤r} g_r'`` (one scan, stored for :func:`kda_fwd_scores_kernel` and
+    :func:`kda_fwd_wu_kernel`), ``qg = scale Γ ⊙ Q``, ``kg = exp(G_C − G) ⊙ K`` (a reverse scan,
+    :func:`decay_to_end`) and ``gl = G_C``."""
+    i_k, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    NT = tl.cdiv(T, BT)
+    seq = i_b.to(tl.int64) * T * H + i_h
+    o_t = i_t * BT + tl.arange(0, BT)
+    o_k = i_k * BK + tl.arange(0, BK)
+    m_tk = (o_t < T)[:, None] & (o_k < K)[None, :]
+    p_tk = seq * K + o_t[:, None] * (H * K) + o_k[None, :]
+    b_g = tl.load(g + p_tk, mask=m_tk, other=0.0).to(tl.float32)  # padding rows: g = 0 (no decay)
+    b_G = tl.cumsum(b_g, 0)
+    tl.store(G + p_tk, b_G, mask=m_tk)
+    b_q = tl.load(q + p_tk, mask=m_tk, other=0.0).to(tl.float32)
+    tl.store(qg + p_tk, (b_q * tl.exp(b_G) * scale).to(qg.dtype.element_ty), mask=m_tk)
+    b_k = tl.load(k + p_tk, mask=m_tk, other=0.0).to(tl.float32)
+    tl.store(kg + p_tk, (b_k * tl.exp(decay_to_end(b_g))).to(kg.dtype.element_ty), mask=m_tk)
+    tl.store(gl + ((i_b.to(tl.int64) * NT + i_t) * H + i_h) * K + o_k, tl.sum(b_g, 0), mask=o_k < K)
 
-    Tile ``I`` (rows ``a = 16I .. a+15``) against all keys of the chunk, anchored at row ``a``::
 
-        k̂_j   = k_j ⊙ exp(G_a − G_j)         for j < a + 16 (0 after the tile: those keys are in the future)
-        q̂_i   = q_i ⊙ exp(G_i − G_a)         for i in the tile (≤ 1)
-        P[I]  = q̂ k̂ᵀ,   M[I] = (k ⊙ exp(G − G_a))[I] k̂ᵀ            [16, 64] row blocks, tensor cores
+@triton.jit(do_not_specialize=["T"])
+def kda_fwd_scores_kernel(
+    q, k, G, beta,              # inputs [B, T, H, K] (G: in-chunk cumulative decay, fp32), beta [B, T, H]
+    Aqk, Mkk, Akk_inv,          # outputs [B, T, H, BT] (Akk_inv: only the diagonal 16×16 blocks)
+    scale, T,
+    H: tl.constexpr, K: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
+):
+    """One 16-token tile ``I`` (rows ``a = 16I .. a+15``) of one chunk of one head: its rows of the scores
+    and the inverse of its diagonal block, grid (chunks, tiles, B·H).
 
-    The inverse ``A⁻¹ = (I + L)⁻¹`` (``L = Diag(β) M``) is built one 16-row block at a time:
-    ``X_I = (I + L_II)⁻¹ (E_I − L_{I,<I} X_{<I})``, with the 16×16 diagonal inverse by forward
-    substitution; finished rows go to ``Akk_inv`` in global memory and are read back (L1/L2) by the
-    next block after a barrier. Then ``W = A⁻¹ (β Γ ⊙ K)``, ``U = A⁻¹ (β V)``.
-    Stores: ``Aqk = scale·P`` (fp32), ``Mkk = M`` (fp32, for dβ in the backward), ``Akk_inv`` (fp32),
-    ``gl = G_C`` per chunk, ``qg = scale Γ ⊙ Q``, ``kg = exp(G_C − G) ⊙ K``, ``w`` (dtype DT) and ``u`` (fp32).
-    All exponents are differences of sums taken from the anchor outwards (:func:`decay_from_anchor`).
+    All factors are anchored at the tile's first row ``a``, as differences of the fp32 in-chunk cumsum
+    ``G`` (≥ −320 in a chunk: the exponents carry ~2e-5 absolute error, the same as fla; in fp32 the
+    output error went from 1.4e-7 to 2.9e-7 against summing from the anchor outwards)::
+
+        λ_i  = G_i − G_a ∈ (−75, 0]   rows i of the tile;     e_j = G_a − G_j ≤ 0   keys j < a
+        q̂_i = q_i ⊙ exp(λ_i),   k̃_i = k_i ⊙ exp(λ_i)                              (≤ 1)
+        P[I, <a]  = q̂ (k ⊙ exp(e))ᵀ,   M[I, <a] = k̃ (k ⊙ exp(e))ᵀ                [16, 64], ≤ 1 factors
+        P_II = q̂ (k_I ⊙ exp(−λ))ᵀ,     M_II = k̃ (k_I ⊙ exp(−λ))ᵀ                 [16, 16], exp(−λ) ≤ e^75
+
+    Stores ``Aqk = scale·P`` (j ≤ i), ``Mkk = M`` (j < i), zeros after the tile, and
+    ``(I + Diag(β) M_II)⁻¹`` (forward substitution) into the diagonal block of ``Akk_inv``, which
+    :func:`kda_fwd_solve_kernel` reads and then overwrites with the whole inverse.
+    """
+    i_t, i_i, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    t0 = i_t * BT
+    a = i_i * BC  # anchor row of the tile
+    if t0 + a >= T:
+        return
+    seq = i_b.to(tl.int64) * T * H + i_h  # row (b, t=0, h) of the [B·T·H] token-head rows
+    q, k, G, beta = q + seq * K, k + seq * K, G + seq * K, beta + seq
+    Aqk, Mkk, Akk_inv = Aqk + seq * BT, Mkk + seq * BT, Akk_inv + seq * BT
+    rows = tl.arange(0, BT)
+    o_c = tl.arange(0, BC)
+    o_t = t0 + rows
+    o_i = t0 + a + o_c  # [BC] token index of the tile's rows
+    m_i = o_i < T
+    b_P = tl.zeros([BC, BT], dtype=tl.float32)  # columns j < a
+    b_M = tl.zeros([BC, BT], dtype=tl.float32)
+    b_Pd = tl.zeros([BC, BC], dtype=tl.float32)  # diagonal block
+    b_Md = tl.zeros([BC, BC], dtype=tl.float32)
+    for i_k in range(tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = o_k < K
+        p_ik = o_i[:, None] * (H * K) + o_k[None, :]
+        m_ik = m_i[:, None] & m_k[None, :]
+        b_Ga = tl.load(G + (t0 + a) * (H * K) + o_k, mask=m_k, other=0.0)  # [BK] G at the anchor
+        b_lam = tl.where(m_ik, tl.load(G + p_ik, mask=m_ik, other=0.0) - b_Ga[None, :], 0.0)  # [BC, BK]
+        b_qi = tl.load(q + p_ik, mask=m_ik, other=0.0).to(tl.float32)
+        b_ki = tl.load(k + p_ik, mask=m_ik, other=0.0).to(tl.float32)
+        b_f = tl.exp(b_lam)
+        b_qh = b_qi * b_f  # q̂
+        b_kt = b_ki * b_f  # k̃
+        b_kin = tl.trans(b_ki * tl.exp(-b_lam))  # [BK, BC] k_j exp(G_a − G_j) inside the tile, ≤ e^75
+        b_Pd += mm_fp32(b_qh, b_kin, PREC)
+        b_Md += mm_fp32(b_kt, b_kin, PREC)
+        if a > 0:
+            p_tk = o_t[:, None] * (H * K) + o_k[None, :]
+            m_tk = (rows < a)[:, None] & m_k[None, :]
+            b_e = tl.where(m_tk, b_Ga[None, :] - tl.load(G + p_tk, mask=m_tk, other=0.0), 0.0)  # [BT, BK] e_j
+            b_k = tl.load(k + p_tk, mask=m_tk, other=0.0).to(tl.float32)
+            b_kh = tl.trans(b_k * tl.exp(b_e))  # [BK, BT], 0 for keys j ≥ a
+            b_P += mm_fp32(b_qh, b_kh, PREC)
+            b_M += mm_fp32(b_kt, b_kh, PREC)
+    # columns outside the diagonal block (before it: the products; after it: zeros) and the block itself
+    m_off = m_i[:, None] & ((rows < a) | (rows >= a + BC))[None, :]
+    p_iA = o_i[:, None] * (H * BT) + rows[None, :]
+    tl.store(Aqk + p_iA, b_P * scale, mask=m_off)
+    tl.store(Mkk + p_iA, b_M, mask=m_off)
+    p_dA = o_i[:, None] * (H * BT) + (a + o_c)[None, :]
+    tl.store(Aqk + p_dA, tl.where(o_c[:, None] >= o_c[None, :], b_Pd * scale, 0.0), mask=m_i[:, None])
+    b_Md = tl.where(o_c[:, None] > o_c[None, :], b_Md, 0.0)
+    tl.store(Mkk + p_dA, b_Md, mask=m_i[:, None])
+    b_bi = tl.load(beta + o_i * H, mask=m_i, other=0.0).to(tl.float32)
+    invert_unit_lower_16_in_place(Akk_inv + (t0 + a) * (H * BT) + a, H * BT, T - t0 - a, b_Md * b_bi[:, None], BC)
+
+
+@triton.jit(do_not_specialize=["T"])
+def kda_fwd_solve_kernel(
+    beta, Mkk,      # inputs; Akk_inv holds the diagonal blocks' inverses on entry
+    Akk_inv,        # output [B, T, H, BT]: A⁻¹ (fp32, zeros above the diagonal)
+    T,
+    H: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr,
+):
+    """The UT transform ``A⁻¹ = (I + Diag(β) M)⁻¹`` of one chunk of one head, grid (chunks, B·H).
+
+    With ``L = Diag(β) M = L_d + L_o`` (its diagonal 16×16 blocks and the rest) and
+    ``D⁻¹ = (I + L_d)⁻¹`` (block-diagonal, from :func:`kda_fwd_scores_kernel`),
+    ``I + L = (I + L_d)(I + N)`` with ``N = D⁻¹ L_o`` strictly block-lower over 4 blocks, so ``N⁴ = 0`` and::
+
+        A⁻¹ = (I − N + N² − N³) D⁻¹ = (I − N)(I + N²) D⁻¹          four 64×64 products, no serial chain
+
+    — the same terms as block forward substitution ``X_I = D_I⁻¹ (E_I − L_{I,<I} X_{<I})``.
     """
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
-    NT = tl.cdiv(T, BT)
-    t0 = i_t * BT
-    seq = i_b.to(tl.int64) * T * H + i_h  # row (b, t=0, h) of the [B·T·H] token-head rows
-    q, k, g, qg, kg, w = q + seq * K, k + seq * K, g + seq * K, qg + seq * K, kg + seq * K, w + seq * K
-    v, u, beta = v + seq * V, u + seq * V, beta + seq
-    Aqk, Akk_inv, Mkk = Aqk + seq * BT, Akk_inv + seq * BT, Mkk + seq * BT
-    gl += ((i_b.to(tl.int64) * NT + i_t) * H + i_h) * K
+    seq = i_b.to(tl.int64) * T * H + i_h
+    beta, Akk_inv, Mkk = beta + seq, Akk_inv + seq * BT, Mkk + seq * BT
     rows = tl.arange(0, BT)
-    o_t = t0 + rows
+    o_t = i_t * BT + rows
     m_t = o_t < T
-    o_c = tl.arange(0, BC)
-    p_tA = o_t[:, None] * (H * BT) + rows[None, :]  # [BT, BT] offsets into Aqk, Akk_inv, Mkk
+    blk = rows // BC
+    p_tA = o_t[:, None] * (H * BT) + rows[None, :]  # [BT, BT] offsets into Akk_inv, Mkk
     b_beta = tl.load(beta + o_t * H, mask=m_t, other=0.0).to(tl.float32)
+    b_Dinv = tl.load(Akk_inv + p_tA, mask=m_t[:, None] & (blk[:, None] == blk[None, :]), other=0.0)
+    b_Lo = tl.load(Mkk + p_tA, mask=m_t[:, None] & (blk[:, None] > blk[None, :]), other=0.0) * b_beta[:, None]
+    b_N = mm_fp32(b_Dinv, b_Lo, PREC)  # [BT, BT]
+    b_Y = b_Dinv + mm_fp32(mm_fp32(b_N, b_N, PREC), b_Dinv, PREC)  # (I + N²) D⁻¹
+    tl.store(Akk_inv + p_tA, b_Y - mm_fp32(b_N, b_Y, PREC), mask=m_t[:, None])
 
-    for I in tl.static_range(BT // BC):
-        a = I * BC  # anchor row of the tile
-        o_i = t0 + a + o_c  # [BC] token index of the tile's rows
-        m_i = o_i < T
-        b_P = tl.zeros([BC, BT], dtype=tl.float32)
-        b_M = tl.zeros([BC, BT], dtype=tl.float32)
-        b_D = tl.zeros([BC, BC], dtype=tl.float32)
-        for i_k in range(tl.cdiv(K, BK)):
-            o_k = i_k * BK + tl.arange(0, BK)
-            m_tk = m_t[:, None] & (o_k < K)[None, :]
-            m_ik = m_i[:, None] & (o_k < K)[None, :]
-            p_tk = o_t[:, None] * (H * K) + o_k[None, :]
-            p_ik = o_i[:, None] * (H * K) + o_k[None, :]
-            b_g = tl.load(g + p_tk, mask=m_tk, other=0.0).to(tl.float32)  # padding rows: g = 0 (no decay)
-            b_k = tl.load(k + p_tk, mask=m_tk, other=0.0).to(tl.float32)
-            b_qi = tl.load(q + p_ik, mask=m_ik, other=0.0).to(tl.float32)
-            b_ki = tl.load(k + p_ik, mask=m_ik, other=0.0).to(tl.float32)
-            b_z = decay_from_anchor(b_g, rows, a)  # [BT, BK] G_j − G_a
-            b_lc = tile_rows(b_z, I, BT, BC)  # [BC, BK] G_i − G_a for the tile's own rows
-            b_qf = tl.exp(b_lc)  # ≤ 1
-            # k̂_j = k_j exp(G_a − G_j): ≤ e^75 inside the tile (g ≥ −5), exactly 0 for keys after it
-            b_kh = b_k * tl.exp(tl.where(rows[:, None] < a + BC, -b_z, float("-inf")))
-            b_P += mm_fp32(b_qi * b_qf, tl.trans(b_kh), PREC)  # [BC, BT]
-            b_M += mm_fp32(b_ki * b_qf, tl.trans(b_kh), PREC)  # [BC, BT]
-            b_D += mm_fp32(b_ki * b_qf, tl.trans(b_ki * tl.exp(-b_lc)), PREC)  # [BC, BC] diagonal tile of M
-        b_P = tl.where((a + o_c)[:, None] >= rows[None, :], b_P * scale, 0.0)
-        b_M = tl.where((a + o_c)[:, None] > rows[None, :], b_M, 0.0)
-        p_iA = o_i[:, None] * (H * BT) + rows[None, :]
-        tl.store(Aqk + p_iA, b_P, mask=m_i[:, None])
-        tl.store(Mkk + p_iA, b_M, mask=m_i[:, None])
 
-        # UT transform, block row I: X_I = (I + L_II)⁻¹ (E_I − L_{I,<I} X_{<I}),  L = Diag(β) M
-        b_bi = tl.load(beta + o_i * H, mask=m_i, other=0.0).to(tl.float32)
-        b_D = tl.where(o_c[:, None] > o_c[None, :], b_D * b_bi[:, None], 0.0)
-        b_Dinv = invert_unit_lower_16(b_D, BC)
-        b_R = tl.where((a + o_c)[:, None] == rows[None, :], 1.0, 0.0)  # E_I [BC, BT]
-        if I > 0:
-            b_L = tl.where(rows[None, :] < a, b_M * b_bi[:, None], 0.0)  # L_{I,<I}
-            b_Xp = tl.load(Akk_inv + p_tA, mask=m_t[:, None] & (rows < a)[:, None], other=0.0)
-            b_R = b_R - mm_fp32(b_L, b_Xp, PREC)
-        b_X = mm_fp32(b_Dinv, b_R, PREC)  # [BC, BT]
-        tl.store(Akk_inv + p_iA, b_X, mask=m_i[:, None])
-        tl.debug_barrier()  # the next tile (and W, U below) read these rows back
-
-    b_Ai = tl.load(Akk_inv + p_tA, mask=m_t[:, None], other=0.0)  # [BT, BT] A⁻¹
-    for i_k in range(tl.cdiv(K, BK)):
-        o_k = i_k * BK + tl.arange(0, BK)
+@triton.jit(do_not_specialize=["T"])
+def kda_fwd_wu_kernel(
+    k, v, G, beta, Akk_inv,     # inputs (G: in-chunk cumulative decay, fp32)
+    w, u,                       # outputs
+    T,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+):
+    """One key block or one value block of one chunk of one head, grid (key + value blocks, chunks, B·H):
+    ``W = A⁻¹ (β Γ ⊙ K)`` (stored in the dtype of k) or ``U = A⁻¹ (β V)`` (fp32)."""
+    i_blk, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    NK = tl.cdiv(K, BK)
+    seq = i_b.to(tl.int64) * T * H + i_h
+    rows = tl.arange(0, BT)
+    o_t = i_t * BT + rows
+    m_t = o_t < T
+    b_beta = tl.load(beta + seq + o_t * H, mask=m_t, other=0.0).to(tl.float32)
+    b_Ai = tl.load(Akk_inv + seq * BT + o_t[:, None] * (H * BT) + rows[None, :], mask=m_t[:, None], other=0.0)
+    if i_blk < NK:
+        o_k = i_blk * BK + tl.arange(0, BK)
         m_tk = m_t[:, None] & (o_k < K)[None, :]
-        p_tk = o_t[:, None] * (H * K) + o_k[None, :]
-        b_g = tl.load(g + p_tk, mask=m_tk, other=0.0).to(tl.float32)
+        p_tk = seq * K + o_t[:, None] * (H * K) + o_k[None, :]
         b_k = tl.load(k + p_tk, mask=m_tk, other=0.0).to(tl.float32)
-        b_gam = tl.exp(tl.cumsum(b_g, 0))  # Γ ≤ 1
-        b_w = mm_fp32(b_Ai, b_k * b_beta[:, None] * b_gam, PREC)
-        tl.store(w + p_tk, b_w.to(w.dtype.element_ty), mask=m_tk)
-        tl.store(kg + p_tk, (b_k * tl.exp(decay_to_end(b_g))).to(kg.dtype.element_ty), mask=m_tk)
-        b_q = tl.load(q + p_tk, mask=m_tk, other=0.0).to(tl.float32)
-        tl.store(qg + p_tk, (b_q * b_gam * scale).to(qg.dtype.element_ty), mask=m_tk)
-        tl.store(gl + o_k, tl.sum(b_g, 0), mask=o_k < K)  # G_C (padding rows add 0)
-    for i_v in range(tl.cdiv(V, BV)):
-        o_v = i_v * BV + tl.arange(0, BV)
+        b_gam = tl.exp(tl.load(G + p_tk, mask=m_tk, other=0.0))  # Γ ≤ 1
+        tl.store(w + p_tk, mm_fp32(b_Ai, b_k * b_beta[:, None] * b_gam, PREC).to(w.dtype.element_ty), mask=m_tk)
+    else:
+        o_v = (i_blk - NK) * BV + tl.arange(0, BV)
         m_tv = m_t[:, None] & (o_v < V)[None, :]
-        p_tv = o_t[:, None] * (H * V) + o_v[None, :]
+        p_tv = seq * V + o_t[:, None] * (H * V) + o_v[None, :]
         b_v = tl.load(v + p_tv, mask=m_tv, other=0.0).to(tl.float32)
-        b_u = mm_fp32(b_Ai, b_v * b_beta[:, None], PREC)
-        tl.store(u + p_tv, b_u.to(u.dtype.element_ty), mask=m_tv)
+        tl.store(u + p_tv, mm_fp32(b_Ai, b_v * b_beta[:, None], PREC), mask=m_tv)
 
 
 @triton.jit(do_not_specialize=["T"])
