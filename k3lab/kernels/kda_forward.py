@@ -62,26 +62,9 @@ def mm_fp32(a, b, PREC: tl.constexpr):
 
 
 @triton.jit
-def decay_from_anchor(b_g, rows, a):
-    """``z_j = G_j − G_a`` for every row j of a chunk tile ``b_g [BT, BK]``, summed outwards from the
-    anchor row ``a`` rather than as a difference of two chunk-level cumsums: ``G`` itself reaches −300
-    in fp32, and ``G_j − G_a`` taken from it would carry an absolute error of ~1e-5 into every factor."""
-    after = tl.cumsum(tl.where(rows[:, None] > a, b_g, 0.0), 0)  # Σ_{a<r≤j} g_r
-    before = tl.cumsum(tl.where(rows[:, None] <= a, b_g, 0.0), 0, reverse=True) - b_g  # Σ_{j<r≤a} g_r
-    return tl.where(rows[:, None] >= a, after, -before)
-
-
-@triton.jit
-def tile_rows(x, I, BT: tl.constexpr, BC: tl.constexpr):
-    """Rows ``I·BC .. I·BC + BC − 1`` of a register tile ``x [BT, N]`` as ``[BC, N]``, exactly (a reshape
-    and a masked sum), so that a tile's factors match the chunk-wide ones bit for bit."""
-    x3 = tl.reshape(x, [BT // BC, BC, x.shape[1]])
-    return tl.sum(tl.where(tl.arange(0, BT // BC)[:, None, None] == I, x3, 0.0), 0)
-
-
-@triton.jit
 def decay_to_end(b_g):
-    """``G_C − G_r = Σ_{r' > r} g_r'`` (reverse cumsum, same accuracy argument as :func:`decay_from_anchor`)."""
+    """``G_C − G_r = Σ_{r' > r} g_r'`` as a reverse cumsum, summed from the chunk end rather than taken as a
+    difference of two chunk-level cumsums (which would carry the ~1e-5 absolute error of G ≈ −300)."""
     return tl.cumsum(b_g, 0, reverse=True) - b_g
 
 
