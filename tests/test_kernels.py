@@ -1,7 +1,8 @@
 """k3lab's Triton KDA kernels (k3lab.kernels) against the torch reference k3lab.mixers.chunk.kda_chunk.
 
 Fresh random inputs per case, the K3 gate ``g = −5·σ(z)`` (K3 spec §2.1), forward output, final
-state and every gradient (q, k, v, g, beta, initial_state), against the reference in float64.
+state and every gradient (q, k, v, g, beta, initial_state), against the reference in float64; also
+packed sequences (``cu_seqlens``) against the reference run on each sequence separately.
 
 On CPU the kernels run under Triton's interpreter, which has to be on before the kernels are
 decorated (and another test module may import triton first): ``test_interpreter_suite`` re-runs
@@ -12,6 +13,7 @@ On a CUDA machine they run directly, and the ``gpu`` tests add model-size shapes
 import os
 import subprocess
 import sys
+from itertools import accumulate
 
 import pytest
 import torch
@@ -30,8 +32,9 @@ GATE_LOWER_BOUND = -5.0
 needs_kernels = pytest.mark.skipif(not KERNELS_RUN_HERE, reason="runs in test_interpreter_suite's subprocess")
 
 
-def kda_inputs(B, T, H, K, V, dtype, seed, with_state=True):
-    """Random inputs with the layer's conventions: L2-normalised q, k; K3's bounded gate; σ(β)."""
+def kda_inputs(B, T, H, K, V, dtype, seed, with_state=True, num_states=None):
+    """Random inputs with the layer's conventions: L2-normalised q, k; K3's bounded gate; σ(β); an initial
+    state per batch row (or per packed sequence: ``num_states``)."""
     gen = torch.Generator().manual_seed(seed)
 
     def randn(*shape):
@@ -42,16 +45,18 @@ def kda_inputs(B, T, H, K, V, dtype, seed, with_state=True):
     v = randn(B, T, H, V)
     g = GATE_LOWER_BOUND * torch.sigmoid(randn(B, T, H, K) + 1.0)  # mean ≈ −3.6: a hard case for the tiles
     beta = torch.sigmoid(randn(B, T, H))
-    h0 = randn(B, H, K, V) if with_state else None
+    h0 = randn(num_states or B, H, K, V) if with_state else None
     acts = [x.to(dtype).to(DEVICE) for x in (q, k, v, beta)]
     return acts[0], acts[1], acts[2], g.to(DEVICE), acts[3], None if h0 is None else h0.to(DEVICE)
 
 
-def check_against_reference(B, T, H, K, V, dtype, seed, with_state=True):
-    q, k, v, g, beta, h0 = kda_inputs(B, T, H, K, V, dtype, seed, with_state)
+def check_against_reference(B, T, H, K, V, dtype, seed, with_state=True, lengths=None):
+    """Kernel vs the float64 reference; ``lengths``: B = 1 and T = sum(lengths) packed sequences."""
+    cu_seqlens = None if lengths is None else torch.tensor([0, *accumulate(lengths)], device=DEVICE)
+    q, k, v, g, beta, h0 = kda_inputs(B, T, H, K, V, dtype, seed, with_state, lengths and len(lengths))
     leaves = [x.clone().requires_grad_() for x in (q, k, v, g, beta)]
     h0_leaf = None if h0 is None else h0.clone().requires_grad_()
-    o, ht = kda_chunk(*leaves, initial_state=h0_leaf, output_final_state=True)
+    o, ht = kda_chunk(*leaves, initial_state=h0_leaf, output_final_state=True, cu_seqlens=cu_seqlens)
     gen = torch.Generator().manual_seed(seed + 1)
     do = torch.randn(o.shape, generator=gen).to(o.dtype).to(DEVICE)
     dht = torch.randn(ht.shape, generator=gen).to(DEVICE)
@@ -59,7 +64,7 @@ def check_against_reference(B, T, H, K, V, dtype, seed, with_state=True):
 
     ref_leaves = [x.detach().double().requires_grad_() for x in (q, k, v, g, beta)]
     ref_h0 = None if h0 is None else h0.double().requires_grad_()
-    o_ref, ht_ref = reference_chunk(*ref_leaves, initial_state=ref_h0, output_final_state=True)
+    o_ref, ht_ref = reference_chunk(*ref_leaves, initial_state=ref_h0, output_final_state=True, cu_seqlens=cu_seqlens)
     torch.autograd.backward([o_ref, ht_ref], [do.double(), dht.double()])
 
     tol = TOL[dtype]
@@ -98,6 +103,38 @@ def test_chunk_bf16():
     check_against_reference(1, 100, 2, 16, 32, torch.bfloat16, seed=7)
 
 
+PACKED = [[37, 64, 1, 100], [130]]  # sequence lengths: partial, full, one-token and two-chunk sequences
+
+
+@needs_kernels
+@pytest.mark.parametrize(
+    "lengths, H, K, V, with_state",
+    [(PACKED[0], 2, 16, 32, True), (PACKED[1], 1, 32, 16, False), ([20, 70], 1, 128, 128, True)],
+    ids=["N4-T202-H2-K16-V32-h0", "N1-T130-H1-K32-V16", "N2-T90-H1-K128-V128-h0"],
+)
+def test_chunk_packed_fp32(lengths, H, K, V, with_state):
+    check_against_reference(1, sum(lengths), H, K, V, torch.float32, seed=len(lengths), with_state=with_state,
+                            lengths=lengths)
+
+
+@needs_kernels
+def test_chunk_packed_bf16():
+    check_against_reference(1, sum(PACKED[0]), 2, 16, 32, torch.bfloat16, seed=11, lengths=PACKED[0])
+
+
+def test_reference_packed_is_per_sequence():
+    """The reference with cu_seqlens is the reference run on each sequence on its own (float64)."""
+    lengths = PACKED[0]
+    q, k, v, g, beta, h0 = (None if x is None else x.double().cpu()
+                            for x in kda_inputs(1, sum(lengths), 2, 16, 32, torch.float32, 5, num_states=len(lengths)))
+    cu_seqlens = torch.tensor([0, *accumulate(lengths)])
+    o, ht = reference_chunk(q, k, v, g, beta, initial_state=h0, cu_seqlens=cu_seqlens)
+    for n, (bos, eos) in enumerate(zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist())):
+        o_n, ht_n = reference_chunk(*(x[:, bos:eos] for x in (q, k, v, g, beta)), initial_state=h0[n:n + 1])
+        assert_close(f"o of sequence {n}", o_n, o[:, bos:eos], 1e-12)
+        assert_close(f"final state of sequence {n}", ht_n, ht[n:n + 1], 1e-12)
+
+
 @needs_kernels
 def test_decode_step_continues_the_chunked_prefill():
     """Prefill T tokens with kda_chunk, decode token T+1 with kda_decode_step: same as one pass."""
@@ -133,3 +170,26 @@ def test_bad_inputs_raise():
         kda_chunk(q, q, v, q, beta, initial_state=torch.zeros(1, 2, 16, 8))
     with pytest.raises(ValueError, match="T == 1"):
         kda_decode_step(q, q, v, q, beta, None)
+
+
+@pytest.mark.parametrize("chunk", [kda_chunk, reference_chunk], ids=["kernels", "reference"])
+@pytest.mark.parametrize(
+    "cu_seqlens, B, h0_shape, match",
+    [
+        (torch.tensor([0.0, 8.0]), 1, None, "cu_seqlens must be int32 or int64"),
+        (torch.tensor([[0, 8]]), 1, None, r"cu_seqlens must be a 1-d tensor \[N \+ 1\]"),
+        (torch.tensor([8]), 1, None, r"cu_seqlens must be a 1-d tensor \[N \+ 1\]"),
+        (torch.tensor([1, 8]), 1, None, "cu_seqlens must start at 0 and end at T"),
+        (torch.tensor([0, 5]), 1, None, "cu_seqlens must start at 0 and end at T"),
+        (torch.tensor([0, 5, 3, 8]), 1, None, "cu_seqlens must be strictly increasing"),
+        (torch.tensor([0, 5, 5, 8]), 1, None, "cu_seqlens must be strictly increasing"),
+        (torch.tensor([0, 8]), 2, None, "cu_seqlens .* B = 2"),
+        (torch.tensor([0, 3, 8]), 1, (1, 2, 16, 16), r"initial_state must be \[N, H, K, V\] = \(2, 2, 16, 16\)"),
+    ],
+    ids=["float", "2d", "one-entry", "start", "end", "decreasing", "empty-sequence", "batch", "initial-state"],
+)
+def test_packed_bad_inputs_raise(chunk, cu_seqlens, B, h0_shape, match):
+    q, v, beta = torch.zeros(B, 8, 2, 16), torch.zeros(B, 8, 2, 16), torch.zeros(B, 8, 2)
+    h0 = None if h0_shape is None else torch.zeros(h0_shape)
+    with pytest.raises(ValueError, match=match):
+        chunk(q, q, v, q, beta, initial_state=h0, cu_seqlens=cu_seqlens)

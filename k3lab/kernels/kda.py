@@ -7,11 +7,18 @@ The kernels rely on K3's lower-bounded gate, ``g ∈ [−5, 0]`` (see :mod:`k3la
 for why), take any ``T`` (the last chunk is masked), bf16/fp16/fp32 activations, and run on CUDA or,
 for tests and notebooks, on CPU under ``TRITON_INTERPRET=1`` (set before importing this module).
 
+Packed sequences as in fla: with ``cu_seqlens [N + 1]`` the inputs are ``[1, T, ...]`` holding N
+sequences along T, each cut into its own chunks, with states ``[N, H, K, V]``. The host builds a chunk
+index (:func:`pack_chunks`, fla's ``prepare_chunk_indices``) and the kernels take ``IS_VARLEN``; without
+``cu_seqlens`` they compile to the same code as before packing existed (``kernels/resource_usage.py``).
+
 Launch parameters are fixed — tuned once on an H200 (``kernels/bench_kda.py --tune``) and written
 into :data:`LAUNCH` — so the first call compiles and runs, with no autotuning.
 """
 
 import os
+from itertools import accumulate
+from typing import NamedTuple
 
 import torch
 import triton
@@ -22,6 +29,7 @@ from k3lab.kernels.kda_backward import (kda_bwd_dv_local_kernel, kda_bwd_intra_k
 from k3lab.kernels.kda_decode import kda_decode_kernel
 from k3lab.kernels.kda_forward import (kda_fwd_gate_kernel, kda_fwd_output_kernel, kda_fwd_scores_kernel,
                                       kda_fwd_solve_kernel, kda_fwd_state_kernel, kda_fwd_wu_kernel)
+from k3lab.mixers.chunk import check_cu_seqlens
 
 Tensor = torch.Tensor
 
@@ -72,8 +80,37 @@ def _block(size: int, limit: int) -> int:
     return min(max(16, triton.next_power_of_2(size)), limit)
 
 
-def _check_inputs(q, k, v, g, beta, initial_state) -> None:
-    """Raise ValueError naming the argument that does not fit the layout, dtype or device."""
+class Packing(NamedTuple):
+    """Packed sequences as the kernels read them (all on the inputs' device)."""
+
+    cu_seqlens: Tensor  # [N + 1] int64: sequence n is token rows cu_seqlens[n] .. cu_seqlens[n + 1] − 1
+    chunk_indices: Tensor  # [NT, 2] int32: (sequence n, chunk inside n) of every chunk, in token order
+    chunk_offsets: Tensor  # [N + 1] int32: the first chunk of every sequence (NT at the end)
+
+
+def pack_chunks(bounds: list[int], device: torch.device) -> Packing:
+    """The chunk index of sequences packed at ``bounds`` (``cu_seqlens`` as a list): every sequence is cut
+    into chunks of :data:`CHUNK` tokens of its own, the last one masked."""
+    counts = [triton.cdiv(eos - bos, CHUNK) for bos, eos in zip(bounds[:-1], bounds[1:])]  # [N]
+    chunk_indices = [(n, c) for n, count in enumerate(counts) for c in range(count)]
+    return Packing(torch.tensor(bounds, dtype=torch.int64, device=device),
+                   torch.tensor(chunk_indices, dtype=torch.int32, device=device),
+                   torch.tensor([0, *accumulate(counts)], dtype=torch.int32, device=device))
+
+
+def _packing_args(packing: Packing | None, B: int) -> tuple[dict, dict, int]:
+    """Keyword arguments locating the chunks for the chunk-parallel kernels and the sequences for the
+    state kernels, and the number of sequences ``N`` (= B without packing)."""
+    varlen = packing is not None
+    cu_seqlens, chunk_indices, chunk_offsets = packing if varlen else (None, None, None)
+    return (dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, IS_VARLEN=varlen),
+            dict(cu_seqlens=cu_seqlens, chunk_offsets=chunk_offsets, IS_VARLEN=varlen),
+            len(chunk_offsets) - 1 if varlen else B)
+
+
+def _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens=None) -> list[int] | None:
+    """Raise ValueError naming the argument that does not fit the layout, dtype or device; returns the
+    sequence boundaries of ``cu_seqlens`` as a list (None without packing)."""
     for name, x, dim in (("q", q, 4), ("k", k, 4), ("v", v, 4), ("g", g, 4), ("beta", beta, 3)):
         if not isinstance(x, Tensor) or x.dim() != dim:
             raise ValueError(f"{name} must be a {dim}-d tensor, got {getattr(x, 'shape', type(x))}")
@@ -90,26 +127,31 @@ def _check_inputs(q, k, v, g, beta, initial_state) -> None:
                          f"got {q.dtype}, {k.dtype}, {v.dtype}")
     if not g.is_floating_point() or not beta.is_floating_point():
         raise ValueError(f"g and beta must be floating point; got {g.dtype}, {beta.dtype}")
-    if initial_state is not None and initial_state.shape != (B, H, K, v.shape[-1]):
+    if cu_seqlens is None and initial_state is not None and initial_state.shape != (B, H, K, v.shape[-1]):
         raise ValueError(f"initial_state must be [B, H, K, V] = {(B, H, K, v.shape[-1])}, "
                          f"got {tuple(initial_state.shape)}")
+    bounds = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens, q, v, initial_state)
     if not q.is_cuda and not INTERPRET:
         raise ValueError(f"k3lab.kernels need CUDA tensors (got device {q.device}); on CPU set TRITON_INTERPRET=1 "
                          "before importing k3lab.kernels, or use the torch reference k3lab.mixers.chunk.kda_chunk")
+    return bounds
 
 
-def _sizes(q: Tensor, v: Tensor):
-    """``B, T, H, K, V``, the number of chunks, the full key block, and the dot dtype/precision:
-    fp32 inputs multiply exactly (``ieee``), bf16/fp16 ones use tf32 where operands are computed in fp32."""
+def _sizes(q: Tensor, v: Tensor, packing: Packing | None):
+    """``B, T, H, K, V``, the number of chunks per batch row (packed: of all sequences), the full key block,
+    and the dot dtype/precision: fp32 inputs multiply exactly (``ieee``), bf16/fp16 ones use tf32 where
+    operands are computed in fp32."""
     B, T, H, K = q.shape
+    NT = triton.cdiv(T, CHUNK) if packing is None else len(packing.chunk_indices)
     PREC = "ieee" if q.dtype == torch.float32 else "tf32"
-    return B, T, H, K, v.shape[-1], triton.cdiv(T, CHUNK), _block(K, MAX_HEAD_DIM), ACTIVATION_DTYPES[q.dtype], PREC
+    return B, T, H, K, v.shape[-1], NT, _block(K, MAX_HEAD_DIM), ACTIVATION_DTYPES[q.dtype], PREC
 
 
-def kda_forward(q, k, v, g, beta, scale, initial_state, output_final_state):
-    """Run the three forward kernels; returns ``(o, final_state or None, saved)`` with ``saved`` the
+def kda_forward(q, k, v, g, beta, scale, initial_state, output_final_state, packing=None):
+    """Run the six forward kernels; returns ``(o, final_state or None, saved)`` with ``saved`` the
     tensors the backward reads (nothing sequential is recomputed there)."""
-    B, T, H, K, V, NT, BK, DT, PREC = _sizes(q, v)
+    B, T, H, K, V, NT, BK, DT, PREC = _sizes(q, v, packing)
+    chunks, seqs, N = _packing_args(packing, B)
     f32 = dict(dtype=torch.float32, device=q.device)
     qg, kg, w = torch.empty_like(q), torch.empty_like(k), torch.empty_like(k)
     u = torch.empty_like(v, dtype=torch.float32)  # fp32: Ṽ = U − W S cancels; U in bf16 doubled the error
@@ -118,48 +160,51 @@ def kda_forward(q, k, v, g, beta, scale, initial_state, output_final_state):
     G = torch.empty(B, T, H, K, **f32)  # in-chunk cumulative decay, scratch
     BKg = _block(K, LAUNCH["fwd_gate"]["BK"])
     kda_fwd_gate_kernel[(triton.cdiv(K, BKg), NT, B * H)](
-        q, k, g, G, qg, kg, gl, scale, T, H=H, K=K, BT=CHUNK, BK=BKg, **_launch("fwd_gate"))
+        q, k, g, G, qg, kg, gl, scale, T, H=H, K=K, BT=CHUNK, BK=BKg, **chunks, **_launch("fwd_gate"))
     kda_fwd_scores_kernel[(NT, CHUNK // TILE, B * H)](
         q, k, G, beta, Aqk, Mkk, Akk_inv, scale, T,
-        H=H, K=K, BT=CHUNK, BC=TILE, BK=_block(K, LAUNCH["fwd_scores"]["BK"]), PREC=PREC, **_launch("fwd_scores"))
+        H=H, K=K, BT=CHUNK, BC=TILE, BK=_block(K, LAUNCH["fwd_scores"]["BK"]), PREC=PREC, **chunks,
+        **_launch("fwd_scores"))
     kda_fwd_solve_kernel[(NT, B * H)](
-        beta, Mkk, Akk_inv, T, H=H, BT=CHUNK, BC=TILE, PREC=PREC, **_launch("fwd_solve"))
+        beta, Mkk, Akk_inv, T, H=H, BT=CHUNK, BC=TILE, PREC=PREC, **chunks, **_launch("fwd_solve"))
     BKw, BVw = _block(K, LAUNCH["fwd_wu"]["BK"]), _block(V, LAUNCH["fwd_wu"]["BV"])
     kda_fwd_wu_kernel[(triton.cdiv(K, BKw) + triton.cdiv(V, BVw), NT, B * H)](
-        k, v, G, beta, Akk_inv, w, u, T, H=H, K=K, V=V, BT=CHUNK, BK=BKw, BV=BVw, PREC=PREC, **_launch("fwd_wu"))
+        k, v, G, beta, Akk_inv, w, u, T, H=H, K=K, V=V, BT=CHUNK, BK=BKw, BV=BVw, PREC=PREC, **chunks,
+        **_launch("fwd_wu"))
     hs = q.new_empty(B, NT, H, K, V)  # state entering each chunk
     v_new = torch.empty_like(v)
-    final_state = torch.empty(B, H, K, V, **f32) if output_final_state else None
-    BV = _state_block_v("fwd_state", B * H, V)
-    kda_fwd_state_kernel[(triton.cdiv(V, BV), B * H)](
+    final_state = torch.empty(N, H, K, V, **f32) if output_final_state else None
+    BV = _state_block_v("fwd_state", N * H, V)
+    kda_fwd_state_kernel[(triton.cdiv(V, BV), N * H)](
         w, u, kg, gl, initial_state, hs, v_new, final_state, T,
         H=H, K=K, V=V, BT=CHUNK, BK=BK, BV=BV, HAS_H0=initial_state is not None,
-        STORE_HT=output_final_state, DT=DT, PREC=PREC, **_launch("fwd_state"))
+        STORE_HT=output_final_state, DT=DT, PREC=PREC, **seqs, **_launch("fwd_state"))
     o = torch.empty_like(v)
     BV = _block(V, LAUNCH["fwd_output"]["BV"])
     kda_fwd_output_kernel[(NT, triton.cdiv(V, BV), B * H)](
         qg, hs, Aqk, v_new, o, T, H=H, K=K, V=V, BT=CHUNK, BK=_block(K, LAUNCH["fwd_output"]["BK"]), BV=BV,
-        DT=DT, PREC=PREC, **_launch("fwd_output"))
+        DT=DT, PREC=PREC, **chunks, **_launch("fwd_output"))
     return o, final_state, (qg, kg, w, gl, Aqk, Akk_inv, Mkk, hs, v_new)
 
 
-def kda_backward(q, k, v, g, beta, scale, initial_state, saved, do, dht):
+def kda_backward(q, k, v, g, beta, scale, initial_state, saved, do, dht, packing=None):
     """Run the five backward kernels; returns ``(dq, dk, dv, dg, dbeta, dh0 or None)``."""
     qg, kg, w, gl, Aqk, Akk_inv, Mkk, hs, v_new = saved
-    B, T, H, K, V, NT, BK, DT, PREC = _sizes(q, v)
+    B, T, H, K, V, NT, BK, DT, PREC = _sizes(q, v, packing)
+    chunks, seqs, N = _packing_args(packing, B)
     f32 = dict(dtype=torch.float32, device=q.device)
     dP, dM = (torch.empty(B, T, H, CHUNK, **f32) for _ in range(2))
     dv_new = torch.empty_like(v, dtype=torch.float32)  # fp32: in bf16 it doubled the error of dv and dβ
     kda_bwd_dv_local_kernel[(NT, B * H)](
         Aqk, do, v_new, dP, dv_new, scale, T, H=H, V=V, BT=CHUNK, BV=_block(V, LAUNCH["bwd_dv_local"]["BV"]),
-        DT=DT, PREC=PREC, **_launch("bwd_dv_local"))
+        DT=DT, PREC=PREC, **chunks, **_launch("bwd_dv_local"))
     dhs = q.new_empty(B, NT, H, K, V)  # gradient of the state leaving each chunk
-    dh0 = torch.empty(B, H, K, V, **f32) if initial_state is not None else None
-    BV = _state_block_v("bwd_state", B * H, V)
-    kda_bwd_state_kernel[(triton.cdiv(V, BV), B * H)](
+    dh0 = torch.empty(N, H, K, V, **f32) if initial_state is not None else None
+    BV = _state_block_v("bwd_state", N * H, V)
+    kda_bwd_state_kernel[(triton.cdiv(V, BV), N * H)](
         qg, kg, w, gl, do, dht, dhs, dv_new, dh0, T,
         H=H, K=K, V=V, BT=CHUNK, BK=BK, BV=BV, HAS_DHT=dht is not None, STORE_DH0=dh0 is not None,
-        DT=DT, PREC=PREC, **_launch("bwd_state"))
+        DT=DT, PREC=PREC, **seqs, **_launch("bwd_state"))
     dq_p, dk_p, dG_p = (torch.empty(B, T, H, K, **f32) for _ in range(3))
     cfg = LAUNCH["bwd_wy_key"]
     BKw = _block(K, cfg["BK"])
@@ -167,17 +212,18 @@ def kda_backward(q, k, v, g, beta, scale, initial_state, saved, do, dht):
     dbeta_p = torch.empty(B, T, H, NK, **f32)  # dβ of each key block
     kda_bwd_wy_key_kernel[(NK, NT, B * H)](
         q, k, g, beta, Akk_inv, hs, dhs, do, v_new, dv_new, dq_p, dk_p, dG_p, dbeta_p, scale, T,
-        H=H, K=K, V=V, BT=CHUNK, BK=BKw, BV=_block(V, cfg["BV"]), DT=DT, PREC=PREC, **_launch("bwd_wy_key"))
+        H=H, K=K, V=V, BT=CHUNK, BK=BKw, BV=_block(V, cfg["BV"]), DT=DT, PREC=PREC, **chunks,
+        **_launch("bwd_wy_key"))
     dv, dbeta = torch.empty_like(v), torch.empty_like(beta)
     kda_bwd_wy_value_kernel[(NT, B * H)](
         v, beta, Akk_inv, Mkk, v_new, dv_new, dbeta_p, dv, dbeta, dM, T,
-        H=H, V=V, NK=NK, BT=CHUNK, BV=_block(V, LAUNCH["bwd_wy_value"]["BV"]), PREC=PREC,
+        H=H, V=V, NK=NK, BT=CHUNK, BV=_block(V, LAUNCH["bwd_wy_value"]["BV"]), PREC=PREC, **chunks,
         **_launch("bwd_wy_value"))
     dq, dk, dg = torch.empty_like(q), torch.empty_like(k), torch.empty_like(g)
     BKi = _block(K, LAUNCH["bwd_intra"]["BK"])
     kda_bwd_intra_kernel[(triton.cdiv(K, BKi), NT, B * H)](  # a chunk's key blocks side by side: dP, dM from L2
         q, k, g, dP, dM, dq_p, dk_p, dG_p, dq, dk, dg, T,
-        H=H, K=K, BT=CHUNK, BC=TILE, BK=BKi, PREC=PREC, **_launch("bwd_intra"))
+        H=H, K=K, BT=CHUNK, BC=TILE, BK=BKi, PREC=PREC, **chunks, **_launch("bwd_intra"))
     return dq, dk, dv, dg, dbeta, dh0
 
 
@@ -185,10 +231,10 @@ class KDAChunkFunction(torch.autograd.Function):
     """Autograd wrapper: forward and backward are the Triton kernels above."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state):
-        o, final_state, saved = kda_forward(q, k, v, g, beta, scale, initial_state, output_final_state)
+    def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, packing):
+        o, final_state, saved = kda_forward(q, k, v, g, beta, scale, initial_state, output_final_state, packing)
         ctx.save_for_backward(q, k, v, g, beta, initial_state, *saved)
-        ctx.scale = scale
+        ctx.scale, ctx.packing = scale, packing
         ctx.set_materialize_grads(False)
         return o, final_state
 
@@ -199,8 +245,8 @@ class KDAChunkFunction(torch.autograd.Function):
             do = torch.zeros_like(v)
         dq, dk, dv, dg, dbeta, dh0 = kda_backward(
             q, k, v, g, beta, ctx.scale, initial_state, saved, do.contiguous(),
-            None if dht is None else dht.float().contiguous())
-        return dq, dk, dv, dg, dbeta, None, dh0, None
+            None if dht is None else dht.float().contiguous(), ctx.packing)
+        return dq, dk, dv, dg, dbeta, None, dh0, None, None
 
 
 def kda_chunk(
@@ -212,6 +258,7 @@ def kda_chunk(
     scale: float | None = None,
     initial_state: Tensor | None = None,
     output_final_state: bool = False,
+    cu_seqlens: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     r"""Chunkwise KDA on Triton kernels, differentiable in q, k, v, g, beta and initial_state.
 
@@ -223,15 +270,20 @@ def kda_chunk(
         g: ``[B, T, H, K]`` log-decay in ``[−5, 0]`` (K3's lower-bounded gate). beta: ``[B, T, H]`` in (0, 1).
         scale: defaults to ``K ** -0.5``. initial_state: ``[B, H, K, V]`` (read in fp32).
         output_final_state: also return the state after the last token.
+        cu_seqlens: packed sequences (fla's convention), int32/int64 ``[N + 1]`` on the inputs' device with
+            ``0 = cu_seqlens[0] < ... < cu_seqlens[N] = T``: the inputs are ``[1, T, ...]`` and sequence n is
+            tokens ``cu_seqlens[n] .. cu_seqlens[n+1] − 1``, chunked on its own; no state crosses a boundary.
+            ``initial_state`` and the final state are then ``[N, H, K, V]`` (one host sync to build the chunk index).
     Returns:
-        ``(o [B, T, H, V] in v.dtype, final_state [B, H, K, V] fp32 or None)``.
+        ``(o [B, T, H, V] in v.dtype, final_state [B, H, K, V] (packed: [N, H, K, V]) fp32 or None)``.
     """
-    _check_inputs(q, k, v, g, beta, initial_state)
+    bounds = _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+    packing = None if bounds is None else pack_chunks(bounds, q.device)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if initial_state is not None:
         initial_state = initial_state.float().contiguous()
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
-    return KDAChunkFunction.apply(q, k, v, g, beta, scale, initial_state, bool(output_final_state))
+    return KDAChunkFunction.apply(q, k, v, g, beta, scale, initial_state, bool(output_final_state), packing)
 
 
 def kda_decode_step(

@@ -29,12 +29,15 @@ nothing sequential. With ``dS`` the gradient of the state *leaving* a chunk, and
    and the final ``dβ`` (adding the key blocks' partials); ``dM`` goes to a scratch buffer.
 5. :func:`kda_bwd_intra_kernel`, grid (K blocks, chunks, B·H): the gradients through the 16-token
    score tiles, anchored like the forward, then ``dg = reverse cumsum of dG`` in the chunk.
+
+Packed sequences (``IS_VARLEN``) as in the forward: the chunk grids run over the chunks of all
+sequences, :func:`kda_bwd_state_kernel` over the N sequences; ``dht`` and ``dh0`` are ``[N, H, K, V]``.
 """
 
 import triton
 import triton.language as tl
 
-from k3lab.kernels.kda_forward import decay_to_end, mm, mm_fp32
+from k3lab.kernels.kda_forward import decay_to_end, mm, mm_fp32, packed_chunk_span, packed_sequence_span
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -42,9 +45,10 @@ def kda_bwd_dv_local_kernel(
     Aqk, do, v_new,   # inputs
     dP, dv_new,       # outputs: dP [B, T, H, BT] fp32, the local part of dṼ [B, T, H, V] fp32
     scale, T,
+    cu_seqlens, chunk_indices,  # packed sequences (IS_VARLEN): [N + 1] int64, [NT, 2] int32
     H: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BV: tl.constexpr,
-    DT: tl.constexpr, PREC: tl.constexpr,
+    DT: tl.constexpr, PREC: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):
     """The parallel, chunk-local part of the output's gradient, for one chunk::
 
@@ -54,7 +58,10 @@ def kda_bwd_dv_local_kernel(
     """
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
-    seq = i_b.to(tl.int64) * T * H + i_h
+    bos = i_b.to(tl.int64) * T  # first token of the batch row
+    if IS_VARLEN:
+        bos, T = packed_chunk_span(i_t, cu_seqlens, chunk_indices, BT)
+    seq = bos * H + i_h
     Aqk, dP, do, v_new, dv_new = Aqk + seq * BT, dP + seq * BT, do + seq * V, v_new + seq * V, dv_new + seq * V
     rows = tl.arange(0, BT)
     o_t = i_t * BT + rows
@@ -78,9 +85,10 @@ def kda_bwd_state_kernel(
     qg, kg, w, gl, do, dht,   # inputs (dht [B, H, K, V] fp32, read if HAS_DHT)
     dhs, dv_new, dh0,         # outputs: dS per chunk [B, NT, H, K, V], dṼ [B, T, H, V] (in: Aqkᵀ dO), dh0 fp32
     T,
+    cu_seqlens, chunk_offsets,  # packed sequences (IS_VARLEN): [N + 1] int64, first chunk of each [N + 1] int32
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
+    HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):
     """Reverse recurrence for a ``[K, BV]`` slice of the state gradient (fp32 in registers)::
 
@@ -88,11 +96,15 @@ def kda_bwd_state_kernel(
             dhs[t] = dS;   dṼ = dṼ_local + kg dS;   dS ← Diag(Γ_C) dS + qgᵀ dO − Wᵀ dṼ
 
     ``dṼ_local = Aqkᵀ dO`` comes from :func:`kda_bwd_dv_local_kernel`; ``dṼ`` overwrites it.
+    Grid (V blocks, N·H) over the N sequences, as :func:`kda_fwd_state_kernel`.
     """
-    i_v, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // H, i_bh % H
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
     NT = tl.cdiv(T, BT)
-    seq = i_b.to(tl.int64) * T * H + i_h
+    bos = i_n.to(tl.int64) * T  # first token of the batch row
+    if IS_VARLEN:
+        bos, T, NT, boc = packed_sequence_span(i_n, cu_seqlens, chunk_offsets, BT)
+    seq = bos * H + i_h
     qg, kg, w = qg + seq * K, kg + seq * K, w + seq * K
     do, dv_new = do + seq * V, dv_new + seq * V
     o_k = tl.arange(0, BK)
@@ -101,12 +113,15 @@ def kda_bwd_state_kernel(
     m_kv = m_k[:, None] & (o_v < V)[None, :]
     p_kv = o_k[:, None] * V + o_v[None, :]
     if HAS_DHT:
-        b_dh = tl.load(dht + (i_b.to(tl.int64) * H + i_h) * K * V + p_kv, mask=m_kv, other=0.0).to(tl.float32)
+        b_dh = tl.load(dht + (i_n.to(tl.int64) * H + i_h) * K * V + p_kv, mask=m_kv, other=0.0).to(tl.float32)
     else:
         b_dh = tl.zeros([BK, BV], dtype=tl.float32)
     for i_r in range(NT):
         i_t = NT - 1 - i_r
-        p_dh = dhs + ((i_b.to(tl.int64) * NT + i_t) * H + i_h) * K * V
+        i_c = i_n.to(tl.int64) * NT + i_t  # row of the chunk in the per-chunk buffers
+        if IS_VARLEN:
+            i_c = boc + i_t
+        p_dh = dhs + (i_c * H + i_h) * K * V
         tl.store(p_dh + p_kv, b_dh.to(dhs.dtype.element_ty), mask=m_kv)
         o_t = i_t * BT + tl.arange(0, BT)
         m_t = o_t < T
@@ -120,10 +135,10 @@ def kda_bwd_state_kernel(
         tl.store(dv_new + p_tv, b_dvn, mask=m_tv)
         b_qg = tl.load(qg + p_tk, mask=m_tk, other=0.0)
         b_w = tl.load(w + p_tk, mask=m_tk, other=0.0)
-        b_gl = tl.load(gl + ((i_b.to(tl.int64) * NT + i_t) * H + i_h) * K + o_k, mask=m_k, other=0.0)
+        b_gl = tl.load(gl + (i_c * H + i_h) * K + o_k, mask=m_k, other=0.0)
         b_dh = b_dh * tl.exp(b_gl)[:, None] + mm(tl.trans(b_qg), b_do, DT, PREC) - mm(tl.trans(b_w), b_dvn, DT, PREC)
     if STORE_DH0:
-        tl.store(dh0 + (i_b.to(tl.int64) * H + i_h) * K * V + p_kv, b_dh, mask=m_kv)
+        tl.store(dh0 + (i_n.to(tl.int64) * H + i_h) * K * V + p_kv, b_dh, mask=m_kv)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -131,9 +146,10 @@ def kda_bwd_wy_key_kernel(
     q, k, g, beta, Akk_inv, hs, dhs, do, v_new, dv_new,   # inputs
     dq_p, dk_p, dG_p, dbeta_p,                           # outputs (dbeta_p [B, T, H, NK] fp32)
     scale, T,
+    cu_seqlens, chunk_indices,                           # packed sequences (IS_VARLEN)
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    DT: tl.constexpr, PREC: tl.constexpr,
+    DT: tl.constexpr, PREC: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):
     """Key side of the chunk-level gradients for one chunk and one block of ``BK`` key channels.
     ``S`` is ``hs[t]``, the state entering the chunk, and ``dS'`` is ``dhs[t]``, the gradient of the
@@ -155,9 +171,12 @@ def kda_bwd_wy_key_kernel(
     i_k, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     NK = tl.num_programs(0)
     i_b, i_h = i_bh // H, i_bh % H
-    NT = tl.cdiv(T, BT)
+    NT = tl.cdiv(T, BT)  # chunks per batch row (packed: i_b = 0)
     t0 = i_t * BT
-    seq = i_b.to(tl.int64) * T * H + i_h
+    bos = i_b.to(tl.int64) * T  # first token of the batch row
+    if IS_VARLEN:
+        bos, T = packed_chunk_span(i_t, cu_seqlens, chunk_indices, BT)
+    seq = bos * H + i_h
     q, k, g, dq_p, dk_p, dG_p = q + seq * K, k + seq * K, g + seq * K, dq_p + seq * K, dk_p + seq * K, dG_p + seq * K
     do, v_new, dv_new = do + seq * V, v_new + seq * V, dv_new + seq * V
     beta, dbeta_p, Akk_inv = beta + seq, dbeta_p + seq * NK, Akk_inv + seq * BT
@@ -213,8 +232,9 @@ def kda_bwd_wy_value_kernel(
     v, beta, Akk_inv, Mkk, v_new, dv_new, dbeta_p,   # inputs (dbeta_p [B, T, H, NK] fp32)
     dv, dbeta, dM,                                   # outputs
     T,
+    cu_seqlens, chunk_indices,                       # packed sequences (IS_VARLEN)
     H: tl.constexpr, V: tl.constexpr, NK: tl.constexpr,
-    BT: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+    BT: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):
     """Value side of the chunk-level gradients and the gradient through the UT transform, one chunk.
 
@@ -230,7 +250,10 @@ def kda_bwd_wy_value_kernel(
     """
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
-    seq = i_b.to(tl.int64) * T * H + i_h
+    bos = i_b.to(tl.int64) * T  # first token of the batch row
+    if IS_VARLEN:
+        bos, T = packed_chunk_span(i_t, cu_seqlens, chunk_indices, BT)
+    seq = bos * H + i_h
     v, v_new, dv_new, dv = v + seq * V, v_new + seq * V, dv_new + seq * V, dv + seq * V
     beta, dbeta, dbeta_p = beta + seq, dbeta + seq, dbeta_p + seq * NK
     Akk_inv, Mkk, dM = Akk_inv + seq * BT, Mkk + seq * BT, dM + seq * BT
@@ -267,9 +290,10 @@ def kda_bwd_intra_kernel(
     q, k, g, dP, dM, dq_p, dk_p, dG_p,   # inputs
     dq, dk, dg,                          # outputs
     T,
+    cu_seqlens, chunk_indices,           # packed sequences (IS_VARLEN)
     H: tl.constexpr, K: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-    PREC: tl.constexpr,
+    PREC: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):
     """Gradients through ``P_ij = Σ_d q_id k_jd e^{G_id − G_jd}`` (j ≤ i) and ``M`` (same form with k
     for q, j < i) for one chunk and one block of ``BK`` key channels, on 16×16 tiles of the chunk.
@@ -299,8 +323,11 @@ def kda_bwd_intra_kernel(
     """
     i_kb, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
+    bos = i_b.to(tl.int64) * T  # first token of the batch row
+    if IS_VARLEN:
+        bos, T = packed_chunk_span(i_t, cu_seqlens, chunk_indices, BT)
     t0 = i_t * BT
-    seq = i_b.to(tl.int64) * T * H + i_h
+    seq = bos * H + i_h
     q, k, g, dq_p, dk_p, dG_p = q + seq * K, k + seq * K, g + seq * K, dq_p + seq * K, dk_p + seq * K, dG_p + seq * K
     dq, dk, dg, dP, dM = dq + seq * K, dk + seq * K, dg + seq * K, dP + seq * BT, dM + seq * BT
     o_k = i_kb * BK + tl.arange(0, BK)

@@ -24,6 +24,15 @@ Six kernels:
    ``Ṽ = U − W S`` and ``S ← Diag(Γ_C) S + kgᵀ Ṽ``; stores the state entering every chunk.
 6. :func:`kda_fwd_output_kernel`, grid (chunks, V blocks, B·H): ``O = qg S + (scale P) Ṽ``.
 
+**Packed sequences** (``IS_VARLEN``, fla's ``cu_seqlens``): B = 1 and the token axis holds N sequences,
+sequence n at rows ``cu_seqlens[n] .. cu_seqlens[n+1] − 1``, each cut into its own chunks (its last one
+masked). The chunk axis of a grid then runs over all chunks of all sequences, ``chunk_indices[c] =
+(n, chunk of n)``, and the state kernels' grid over (V blocks, N·H), chunk after chunk of their own
+sequence (its first chunk is ``chunk_offsets[n]``); states never cross a sequence boundary.
+:func:`packed_chunk_span` and :func:`packed_sequence_span` give a program the first token and the length
+of its sequence; without ``IS_VARLEN`` these are the batch row's ``b·T`` and ``T``, and that path compiles
+to the same code as before packing existed.
+
 **Why the bounded gate matters here (the e^80 argument).** ``exp(G_i − G_j)`` cannot be split as
 ``exp(G_i) · exp(−G_j)`` over a whole chunk: with ``g`` down to −5, ``−G_j`` reaches 315 and
 ``e^315`` overflows. Anchoring at the first row ``a`` of each 16-token tile,
@@ -69,6 +78,32 @@ def decay_to_end(b_g):
 
 
 @triton.jit
+def packed_chunk_span(i_t, cu_seqlens, chunk_indices, BT: tl.constexpr):
+    """``(bos, T)`` of chunk ``i_t`` of packed sequences, for the chunk-parallel kernels.
+
+    A kernel's chunk ``i_t`` of batch row ``b`` has tokens at rows ``bos + i_t·BT + r`` (``r < BT``) of the
+    ``[B·T]`` token rows with ``bos = b·T``, valid where ``i_t·BT + r < T``, and row ``b·NT + i_t`` in the
+    per-chunk buffers (``gl``, ``hs``, ``dhs``). Packed (B = 1), ``i_t`` counts the chunks of all sequences,
+    ``chunk_indices[i_t] = (n, c)`` (chunk c of sequence n), and stays the buffer row; the token coordinates
+    are shifted by ``s = (i_t − c)·BT`` so that the chunk still starts at ``i_t·BT``:
+    ``bos = cu_seqlens[n] − s`` and ``T = cu_seqlens[n+1] − bos`` (the end of sequence n). The kernel
+    bodies are then the same for both.
+    """
+    i_n = tl.load(chunk_indices + 2 * i_t)
+    bos = tl.load(cu_seqlens + i_n) - (i_t - tl.load(chunk_indices + 2 * i_t + 1)) * BT
+    return bos, (tl.load(cu_seqlens + i_n + 1) - bos).to(tl.int32)
+
+
+@triton.jit
+def packed_sequence_span(i_n, cu_seqlens, chunk_offsets, BT: tl.constexpr):
+    """``(bos, T, NT, boc)`` of packed sequence ``i_n`` for the state kernels: its first token row, its
+    length, its number of chunks and the row of its first chunk in the per-chunk buffers."""
+    bos = tl.load(cu_seqlens + i_n)
+    T = (tl.load(cu_seqlens + i_n + 1) - bos).to(tl.int32)
+    return bos, T, tl.cdiv(T, BT), tl.load(chunk_offsets + i_n).to(tl.int64)
+
+
+@triton.jit
 def invert_unit_lower_16_in_place(p_D, row_stride, n_rows, D, BC: tl.constexpr):
     """Overwrite a strictly lower-triangular ``D [BC, BC]`` in global memory (row r at ``p_D + r·row_stride``,
     only its first ``n_rows`` rows exist) with ``(I + D)⁻¹``, by forward substitution.
@@ -94,7 +129,8 @@ def kda_fwd_gate_kernel(
     q, k, g,            # inputs [B, T, H, K]
     G, qg, kg, gl,      # outputs: G [B, T, H, K] fp32 (scratch for the next kernels), qg, kg, gl [B, NT, H, K]
     scale, T,
-    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+    cu_seqlens, chunk_indices,  # packed sequences (IS_VARLEN): [N + 1] int64, [NT, 2] int32
+    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):
     """One key block of one chunk of one head, grid (key blocks, chunks, B·H): the in-chunk cumulative
     decay ``G_r = Σ_{r'≤r} g_r'`` (one scan, stored for :func:`kda_fwd_scores_kernel` and
@@ -102,8 +138,11 @@ def kda_fwd_gate_kernel(
     :func:`decay_to_end`) and ``gl = G_C``."""
     i_k, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
-    NT = tl.cdiv(T, BT)
-    seq = i_b.to(tl.int64) * T * H + i_h
+    NT = tl.cdiv(T, BT)  # chunks per batch row (packed: i_b = 0)
+    bos = i_b.to(tl.int64) * T  # first token of the batch row
+    if IS_VARLEN:
+        bos, T = packed_chunk_span(i_t, cu_seqlens, chunk_indices, BT)
+    seq = bos * H + i_h
     o_t = i_t * BT + tl.arange(0, BT)
     o_k = i_k * BK + tl.arange(0, BK)
     m_tk = (o_t < T)[:, None] & (o_k < K)[None, :]
@@ -123,8 +162,9 @@ def kda_fwd_scores_kernel(
     q, k, G, beta,              # inputs [B, T, H, K] (G: in-chunk cumulative decay, fp32), beta [B, T, H]
     Aqk, Mkk, Akk_inv,          # outputs [B, T, H, BT] (Akk_inv: only the diagonal 16×16 blocks)
     scale, T,
+    cu_seqlens, chunk_indices,  # packed sequences (IS_VARLEN)
     H: tl.constexpr, K: tl.constexpr,
-    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):
     """One 16-token tile ``I`` (rows ``a = 16I .. a+15``) of one chunk of one head: its rows of the scores
     and the inverse of its diagonal block, grid (chunks, tiles, B·H).
@@ -144,11 +184,14 @@ def kda_fwd_scores_kernel(
     """
     i_t, i_i, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
+    bos = i_b.to(tl.int64) * T  # first token of the batch row
+    if IS_VARLEN:
+        bos, T = packed_chunk_span(i_t, cu_seqlens, chunk_indices, BT)
     t0 = i_t * BT
     a = i_i * BC  # anchor row of the tile
     if t0 + a >= T:
         return
-    seq = i_b.to(tl.int64) * T * H + i_h  # row (b, t=0, h) of the [B·T·H] token-head rows
+    seq = bos * H + i_h  # row (bos, h) of the [B·T·H] token-head rows
     q, k, G, beta = q + seq * K, k + seq * K, G + seq * K, beta + seq
     Aqk, Mkk, Akk_inv = Aqk + seq * BT, Mkk + seq * BT, Akk_inv + seq * BT
     rows = tl.arange(0, BT)
@@ -201,7 +244,8 @@ def kda_fwd_solve_kernel(
     beta, Mkk,      # inputs; Akk_inv holds the diagonal blocks' inverses on entry
     Akk_inv,        # output [B, T, H, BT]: A⁻¹ (fp32, zeros above the diagonal)
     T,
-    H: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr,
+    cu_seqlens, chunk_indices,  # packed sequences (IS_VARLEN)
+    H: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):
     """The UT transform ``A⁻¹ = (I + Diag(β) M)⁻¹`` of one chunk of one head, grid (chunks, B·H).
 
@@ -215,7 +259,10 @@ def kda_fwd_solve_kernel(
     """
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // H, i_bh % H
-    seq = i_b.to(tl.int64) * T * H + i_h
+    bos = i_b.to(tl.int64) * T  # first token of the batch row
+    if IS_VARLEN:
+        bos, T = packed_chunk_span(i_t, cu_seqlens, chunk_indices, BT)
+    seq = bos * H + i_h
     beta, Akk_inv, Mkk = beta + seq, Akk_inv + seq * BT, Mkk + seq * BT
     rows = tl.arange(0, BT)
     o_t = i_t * BT + rows
@@ -235,15 +282,19 @@ def kda_fwd_wu_kernel(
     k, v, G, beta, Akk_inv,     # inputs (G: in-chunk cumulative decay, fp32)
     w, u,                       # outputs
     T,
+    cu_seqlens, chunk_indices,  # packed sequences (IS_VARLEN)
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):
     """One key block or one value block of one chunk of one head, grid (key + value blocks, chunks, B·H):
     ``W = A⁻¹ (β Γ ⊙ K)`` (stored in the dtype of k) or ``U = A⁻¹ (β V)`` (fp32)."""
     i_blk, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
     NK = tl.cdiv(K, BK)
-    seq = i_b.to(tl.int64) * T * H + i_h
+    bos = i_b.to(tl.int64) * T  # first token of the batch row
+    if IS_VARLEN:
+        bos, T = packed_chunk_span(i_t, cu_seqlens, chunk_indices, BT)
+    seq = bos * H + i_h
     rows = tl.arange(0, BT)
     o_t = i_t * BT + rows
     m_t = o_t < T
@@ -269,20 +320,25 @@ def kda_fwd_state_kernel(
     w, u, kg, gl, h0,          # inputs (h0 [B, H, K, V] fp32, read if HAS_H0)
     hs, v_new, ht,             # outputs: state entering each chunk [B, NT, H, K, V], Ṽ [B, T, H, V], final state
     T,
+    cu_seqlens, chunk_offsets,  # packed sequences (IS_VARLEN): [N + 1] int64, first chunk of each [N + 1] int32
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
+    HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):
     """The recurrence across chunks, for a ``[K, BV]`` slice of the state (fp32 in registers)::
 
         for each chunk t:   hs[t] = S;   Ṽ = U − W S;   S ← Diag(Γ_C) S + kgᵀ Ṽ
 
-    Value columns never mix, so the state splits along V into independent programs.
+    Value columns never mix, so the state splits along V into independent programs; grid (V blocks,
+    N·H) over the N sequences (batch rows, or packed sequences with their initial/final states ``[N, H, K, V]``).
     """
-    i_v, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // H, i_bh % H
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
     NT = tl.cdiv(T, BT)
-    seq = i_b.to(tl.int64) * T * H + i_h
+    bos = i_n.to(tl.int64) * T  # first token of the batch row
+    if IS_VARLEN:
+        bos, T, NT, boc = packed_sequence_span(i_n, cu_seqlens, chunk_offsets, BT)
+    seq = bos * H + i_h
     w, kg, u, v_new = w + seq * K, kg + seq * K, u + seq * V, v_new + seq * V
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
@@ -290,11 +346,14 @@ def kda_fwd_state_kernel(
     m_kv = m_k[:, None] & (o_v < V)[None, :]
     p_kv = o_k[:, None] * V + o_v[None, :]  # [BK, BV] inside one [K, V] state
     if HAS_H0:
-        b_h = tl.load(h0 + (i_b.to(tl.int64) * H + i_h) * K * V + p_kv, mask=m_kv, other=0.0).to(tl.float32)
+        b_h = tl.load(h0 + (i_n.to(tl.int64) * H + i_h) * K * V + p_kv, mask=m_kv, other=0.0).to(tl.float32)
     else:
         b_h = tl.zeros([BK, BV], dtype=tl.float32)
     for i_t in range(NT):
-        tl.store(hs + ((i_b.to(tl.int64) * NT + i_t) * H + i_h) * K * V + p_kv, b_h.to(hs.dtype.element_ty), mask=m_kv)
+        i_c = i_n.to(tl.int64) * NT + i_t  # row of the chunk in the per-chunk buffers
+        if IS_VARLEN:
+            i_c = boc + i_t
+        tl.store(hs + (i_c * H + i_h) * K * V + p_kv, b_h.to(hs.dtype.element_ty), mask=m_kv)
         o_t = i_t * BT + tl.arange(0, BT)
         m_t = o_t < T
         p_tk = o_t[:, None] * (H * K) + o_k[None, :]
@@ -306,26 +365,30 @@ def kda_fwd_state_kernel(
         b_vn = b_u - mm(b_w, b_h, DT, PREC)  # [BT, BV]
         tl.store(v_new + p_tv, b_vn.to(v_new.dtype.element_ty), mask=m_tv)
         b_kg = tl.load(kg + p_tk, mask=m_tk, other=0.0)
-        b_gl = tl.load(gl + ((i_b.to(tl.int64) * NT + i_t) * H + i_h) * K + o_k, mask=m_k, other=0.0)
+        b_gl = tl.load(gl + (i_c * H + i_h) * K + o_k, mask=m_k, other=0.0)
         b_h = b_h * tl.exp(b_gl)[:, None] + mm(tl.trans(b_kg), b_vn, DT, PREC)
     if STORE_HT:
-        tl.store(ht + (i_b.to(tl.int64) * H + i_h) * K * V + p_kv, b_h, mask=m_kv)
+        tl.store(ht + (i_n.to(tl.int64) * H + i_h) * K * V + p_kv, b_h, mask=m_kv)
 
 
 @triton.jit(do_not_specialize=["T"])
 def kda_fwd_output_kernel(
     qg, hs, Aqk, v_new, o,
     T,
+    cu_seqlens, chunk_indices,  # packed sequences (IS_VARLEN)
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    DT: tl.constexpr, PREC: tl.constexpr,
+    DT: tl.constexpr, PREC: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):
     """``O = qg S + Aqk Ṽ`` for one chunk and one value block: the inter-chunk part reads the state
     entering the chunk, the intra-chunk part the (already scaled, lower-triangular) scores."""
     i_t, i_v, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
-    NT = tl.cdiv(T, BT)
-    seq = i_b.to(tl.int64) * T * H + i_h
+    NT = tl.cdiv(T, BT)  # chunks per batch row (packed: i_b = 0)
+    bos = i_b.to(tl.int64) * T  # first token of the batch row
+    if IS_VARLEN:
+        bos, T = packed_chunk_span(i_t, cu_seqlens, chunk_indices, BT)
+    seq = bos * H + i_h
     qg, Aqk, v_new, o = qg + seq * K, Aqk + seq * BT, v_new + seq * V, o + seq * V
     rows = tl.arange(0, BT)
     o_t = i_t * BT + rows

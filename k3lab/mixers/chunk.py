@@ -15,6 +15,9 @@ Per chunk, with in-chunk cumulative log-decay ``G_r = Σ_{i≤r} g_i`` and ``Γ_
     O    = (Γ ⊙ Q) S + A Ṽ
     S'   = Diag(Γ_C) S + (exp(G_C − G) ⊙ K)ᵀ Ṽ
 
+:func:`kda_chunk` also takes packed sequences (fla's ``cu_seqlens``): B = 1 and the token axis holds
+N sequences, each run on its own (own chunks, own initial and final state ``[N, H, K, V]``).
+
 For log-decays ``g ≤ 0`` every ``exp`` here is of a non-positive number (``G_i − G_j`` with
 ``j ≤ i``, ``G_r`` and ``G_C − G_r``), so no factor can overflow however strong the decay. This is
 the reference, not the fast tensor-core form that rescales keys by ``1/Γ`` (notebook 03: why K3
@@ -139,11 +142,54 @@ def gated_deltanet_chunk(q, k, v, g, beta, scale=None, initial_state=None, outpu
     return delta_rule_chunk(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size)
 
 
-def kda_chunk(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=True, chunk_size=64):
+def check_cu_seqlens(cu_seqlens: Tensor, q: Tensor, v: Tensor, initial_state: Tensor | None) -> list[int]:
+    """Check packed-sequence offsets (fla's convention) and return them as a list (one host sync).
+
+    ``cu_seqlens``: int32/int64 ``[N + 1]`` on q's device with ``0 = cu_seqlens[0] < ... < cu_seqlens[N] = T``,
+    for inputs ``[1, T, H, ·]`` (B == 1); ``initial_state``, if given, is ``[N, H, K, V]``.
+    """
+    if not isinstance(cu_seqlens, Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError("cu_seqlens must be a 1-d tensor [N + 1] with N >= 1, "
+                         f"got {getattr(cu_seqlens, 'shape', cu_seqlens)}")
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"cu_seqlens must be int32 or int64 (a LongTensor), got {cu_seqlens.dtype}")
+    if cu_seqlens.device != q.device:
+        raise ValueError(f"cu_seqlens must be on q's device {q.device}, got {cu_seqlens.device}")
+    B, T, H, K = q.shape
+    if B != 1:
+        raise ValueError(f"with cu_seqlens the sequences are packed along T: q must be [1, T, H, K], got B = {B}")
+    bounds = cu_seqlens.tolist()
+    if bounds[0] != 0 or bounds[-1] != T:
+        raise ValueError(f"cu_seqlens must start at 0 and end at T = {T}, got {bounds[0]} .. {bounds[-1]}")
+    if any(end <= start for start, end in zip(bounds[:-1], bounds[1:])):
+        raise ValueError(f"cu_seqlens must be strictly increasing (no empty sequence), got {bounds}")
+    N, V = len(bounds) - 1, v.shape[-1]
+    if initial_state is not None and initial_state.shape != (N, H, K, V):
+        raise ValueError(f"initial_state must be [N, H, K, V] = {(N, H, K, V)} for N = {N} packed sequences, "
+                         f"got {tuple(initial_state.shape)}")
+    return bounds
+
+
+def kda_chunk(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=True, chunk_size=64,
+              cu_seqlens=None):
     """Chunkwise :func:`k3lab.mixers.lineage.kda_recurrent` (K3 spec §2.3): per-channel ``g [B, T, H, K]``.
 
     The torch reference the KDA layer and the Triton kernels are checked against. Returns
     ``(o [B, T, H, V], final_state [B, H, K, V] float32/float64 or None)``.
+
+    ``cu_seqlens`` (int ``[N + 1]``, ``0 = cu_seqlens[0] < ... < cu_seqlens[N] = T``): the inputs are
+    ``[1, T, ...]`` and hold N sequences packed along T, run one by one (:func:`check_cu_seqlens`);
+    ``initial_state`` and the final state are then ``[N, H, K, V]``.
     """
     g = check_decay(g, "kda", per_channel=True)
-    return delta_rule_chunk(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size)
+    if cu_seqlens is None:
+        return delta_rule_chunk(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size)
+    check_mixer_inputs(q, k, v, g, beta, None)
+    bounds = check_cu_seqlens(cu_seqlens, q, v, initial_state)
+    runs = [
+        delta_rule_chunk(*(x[:, bos:eos] for x in (q, k, v, g, beta)), scale,
+                         None if initial_state is None else initial_state[n:n + 1], output_final_state, chunk_size)
+        for n, (bos, eos) in enumerate(zip(bounds[:-1], bounds[1:]))
+    ]
+    o = torch.cat([o_n for o_n, _ in runs], dim=1)  # [1, T, H, V]
+    return o, (torch.cat([S_n for _, S_n in runs]) if output_final_state else None)  # [N, H, K, V]
