@@ -20,7 +20,9 @@ import torch
 import torch.nn.functional as F
 
 from k3lab.kernels import kda_chunk, kda_decode_step
+from k3lab.kernels import kda as kernels_kda
 from k3lab.mixers.chunk import kda_chunk as reference_chunk
+from k3lab.mixers.lineage import kda_recurrent
 from k3lab.testing import assert_close
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -123,14 +125,15 @@ def test_chunk_packed_bf16():
 
 
 def test_reference_packed_is_per_sequence():
-    """The reference with cu_seqlens is the reference run on each sequence on its own (float64)."""
+    """The chunked reference with cu_seqlens equals the token-by-token recurrence run on each sequence
+    on its own (float64): an independent check of the packing."""
     lengths = PACKED[0]
     q, k, v, g, beta, h0 = (None if x is None else x.double().cpu()
                             for x in kda_inputs(1, sum(lengths), 2, 16, 32, torch.float32, 5, num_states=len(lengths)))
     cu_seqlens = torch.tensor([0, *accumulate(lengths)])
     o, ht = reference_chunk(q, k, v, g, beta, initial_state=h0, cu_seqlens=cu_seqlens)
     for n, (bos, eos) in enumerate(zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist())):
-        o_n, ht_n = reference_chunk(*(x[:, bos:eos] for x in (q, k, v, g, beta)), initial_state=h0[n:n + 1])
+        o_n, ht_n = kda_recurrent(*(x[:, bos:eos] for x in (q, k, v, g, beta)), initial_state=h0[n:n + 1])
         assert_close(f"o of sequence {n}", o_n, o[:, bos:eos], 1e-12)
         assert_close(f"final state of sequence {n}", ht_n, ht[n:n + 1], 1e-12)
 
@@ -164,12 +167,57 @@ def test_bad_inputs_raise():
     v, beta = torch.zeros(1, 8, 2, 16), torch.zeros(1, 8, 2)
     with pytest.raises(ValueError, match="beta"):
         kda_chunk(q, q, v, q, beta[..., None])
-    with pytest.raises(ValueError, match="k"):
+    with pytest.raises(ValueError, match=r"k \(1, 4, 2, 16\)"):
         kda_chunk(q, q[:, :4], v, q, beta)
+    with pytest.raises(ValueError, match="v is on meta but q is on cpu"):
+        kda_chunk(q, q, v.to("meta"), q, beta)
     with pytest.raises(ValueError, match="initial_state"):
         kda_chunk(q, q, v, q, beta, initial_state=torch.zeros(1, 2, 16, 8))
     with pytest.raises(ValueError, match="T == 1"):
         kda_decode_step(q, q, v, q, beta, None)
+
+
+def test_sizes_past_the_kernel_limits_raise():
+    """int32 token offsets and CUDA grid axes: refused before any launch (meta tensors allocate nothing)."""
+    def inputs(B, T, H, K):
+        x = torch.empty(B, T, H, K, device="meta")
+        return x, x, x, x, torch.empty(B, T, H, device="meta")
+
+    with pytest.raises(ValueError, match=r"must be < 2\^31"):
+        kda_chunk(*inputs(1, 2**20, 16, 128))  # T·H·K = 2^31
+    with pytest.raises(ValueError, match="CUDA grid limit"):
+        kda_chunk(*inputs(4097, 1, 16, 16))  # B·H = 65552
+
+
+@needs_kernels
+def test_chunk_training_path_wide_state_blocks(monkeypatch):
+    """What training runs: no final state (so no dht), B > 1 with an initial state (dh0 summed per row), T an
+    exact multiple of 64, V not a power of two; and the state kernels' widest value block (BV = 64), which
+    the tiny shapes above never reach because B·H is small."""
+    for name in ("fwd_state", "bwd_state"):
+        monkeypatch.setitem(kernels_kda.LAUNCH, name, dict(kernels_kda.LAUNCH[name], min_programs=1))
+    q, k, v, g, beta, h0 = kda_inputs(2, 128, 1, 64, 48, torch.float32, seed=13)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, g, beta, h0)]
+    o, ht = kda_chunk(*leaves[:5], initial_state=leaves[5])
+    assert ht is None
+    do = torch.randn(o.shape, generator=torch.Generator().manual_seed(14)).to(DEVICE)
+    o.backward(do)
+    ref = [x.detach().double().requires_grad_() for x in (q, k, v, g, beta, h0)]
+    o_ref, _ = reference_chunk(*ref[:5], initial_state=ref[5], output_final_state=False)
+    o_ref.backward(do.double())
+    assert_close("o", o_ref, o, TOL[torch.float32])
+    for name, got, want in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), leaves, ref):
+        assert_close(name, want.grad, got.grad, TOL[torch.float32])
+
+
+@needs_kernels
+def test_decode_step_several_value_blocks():
+    """V = 80: three value blocks of the decode kernel (BV = 32), the last one partial."""
+    q, k, v, g, beta, h0 = kda_inputs(1, 1, 2, 16, 80, torch.float32, seed=17)
+    o, s = kda_decode_step(q, k, v, g, beta, h0)
+    o_ref, s_ref = reference_chunk(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    assert_close("decode o", o_ref, o, TOL[torch.float32])
+    assert_close("decode state", s_ref, s, TOL[torch.float32])
 
 
 @pytest.mark.parametrize("chunk", [kda_chunk, reference_chunk], ids=["kernels", "reference"])

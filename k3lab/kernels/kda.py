@@ -10,10 +10,15 @@ for tests and notebooks, on CPU under ``TRITON_INTERPRET=1`` (set before importi
 Packed sequences as in fla: with ``cu_seqlens [N + 1]`` the inputs are ``[1, T, ...]`` holding N
 sequences along T, each cut into its own chunks, with states ``[N, H, K, V]``. The host builds a chunk
 index (:func:`pack_chunks`, fla's ``prepare_chunk_indices``) and the kernels take ``IS_VARLEN``; without
-``cu_seqlens`` they compile to the same code as before packing existed (``kernels/resource_usage.py``).
+``cu_seqlens`` they compile to the same SASS as before packing existed (compared with ``cuobjdump -sass``,
+see ``kernels/RESULTS.md``).
 
-Launch parameters are fixed — tuned once on an H200 (``kernels/bench_kda.py --tune``) and written
-into :data:`LAUNCH` — so the first call compiles and runs, with no autotuning.
+Launch parameters are fixed — chosen from per-kernel timings on an H200 (``kernels/RESULTS.md``;
+``kernels/bench_kda.py --tune`` re-times the candidates) and written into :data:`LAUNCH` — so the first
+call compiles and runs, with no autotuning.
+
+Size limits: token offsets inside the kernels are int32, so ``T·H·max(K, V, 64) < 2³¹``; batch rows times
+heads (packed: sequences times heads) and the number of chunks are CUDA grid axes, at most 65535.
 """
 
 import os
@@ -23,6 +28,7 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from torch.autograd.function import once_differentiable
 
 from k3lab.kernels.kda_backward import (kda_bwd_dv_local_kernel, kda_bwd_intra_kernel, kda_bwd_state_kernel,
                                         kda_bwd_wy_key_kernel, kda_bwd_wy_value_kernel)
@@ -36,6 +42,7 @@ Tensor = torch.Tensor
 CHUNK = 64  # BT: tokens per chunk
 TILE = 16  # BC: tokens per sub-chunk tile (16 × g ≥ −5 keeps every rescaling factor below e^80)
 MAX_HEAD_DIM = 256
+GRID_MAX = 65535  # CUDA's limit on grid axes 1 and 2
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # triton reads it when the kernels are decorated
 ACTIVATION_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
@@ -131,6 +138,17 @@ def _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens=None) -> list[int]
         raise ValueError(f"initial_state must be [B, H, K, V] = {(B, H, K, v.shape[-1])}, "
                          f"got {tuple(initial_state.shape)}")
     bounds = None if cu_seqlens is None else check_cu_seqlens(cu_seqlens, q, v, initial_state)
+    for name, x in (("k", k), ("v", v), ("g", g), ("beta", beta), ("initial_state", initial_state)):
+        if x is not None and x.device != q.device:
+            raise ValueError(f"{name} is on {x.device} but q is on {q.device}: all inputs must share one device")
+    V = v.shape[-1]
+    if T * H * max(K, V, CHUNK) >= 2**31:
+        raise ValueError(f"T·H·max(K, V, {CHUNK}) = {T * H * max(K, V, CHUNK):,} must be < 2^31 (the kernels' "
+                         f"token offsets are int32); got T={T}, H={H}, K={K}, V={V}: split the sequence")
+    rows = H * (B if bounds is None else len(bounds) - 1)
+    if rows > GRID_MAX or triton.cdiv(T, CHUNK) > GRID_MAX:
+        raise ValueError(f"{'N' if bounds else 'B'}·H = {rows} and the number of 64-token chunks "
+                         f"{triton.cdiv(T, CHUNK)} must each be <= {GRID_MAX} (CUDA grid limit)")
     if not q.is_cuda and not INTERPRET:
         raise ValueError(f"k3lab.kernels need CUDA tensors (got device {q.device}); on CPU set TRITON_INTERPRET=1 "
                          "before importing k3lab.kernels, or use the torch reference k3lab.mixers.chunk.kda_chunk")
@@ -239,6 +257,7 @@ class KDAChunkFunction(torch.autograd.Function):
         return o, final_state
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, do, dht):
         q, k, v, g, beta, initial_state, *saved = ctx.saved_tensors
         if do is None:
@@ -258,6 +277,7 @@ def kda_chunk(
     scale: float | None = None,
     initial_state: Tensor | None = None,
     output_final_state: bool = False,
+    *,
     cu_seqlens: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     r"""Chunkwise KDA on Triton kernels, differentiable in q, k, v, g, beta and initial_state.
@@ -267,7 +287,9 @@ def kda_chunk(
 
     Args:
         q, k: ``[B, T, H, K]``, L2-normalised. v: ``[B, T, H, V]`` (same dtype: bf16, fp16 or fp32).
-        g: ``[B, T, H, K]`` log-decay in ``[−5, 0]`` (K3's lower-bounded gate). beta: ``[B, T, H]`` in (0, 1).
+        g: ``[B, T, H, K]`` log-decay in ``[−5, 0]`` (K3's lower-bounded gate; not checked here, to keep the
+            call free of host syncs: below about −5.9 the tile factors overflow and the outputs are NaN —
+            the KDA layer guarantees the bound). beta: ``[B, T, H]`` in (0, 1).
         scale: defaults to ``K ** -0.5``. initial_state: ``[B, H, K, V]`` (read in fp32).
         output_final_state: also return the state after the last token.
         cu_seqlens: packed sequences (fla's convention), int32/int64 ``[N + 1]`` on the inputs' device with
@@ -303,7 +325,7 @@ def kda_decode_step(
     Returns:
         ``(o [B, 1, H, V] in v.dtype, new_state [B, H, K, V] fp32)``; ``state`` is not modified.
     """
-    if q.dim() != 4 or q.shape[1] != 1:
+    if isinstance(q, Tensor) and q.dim() == 4 and q.shape[1] != 1:
         raise ValueError(f"kda_decode_step takes one token, q [B, 1, H, K] (T == 1); got {tuple(q.shape)}; "
                          "use kda_chunk for prefill")
     _check_inputs(q, k, v, g, beta, state)

@@ -6,7 +6,8 @@ nothing sequential. With ``dS`` the gradient of the state *leaving* a chunk, and
 
 1. :func:`kda_bwd_dv_local_kernel`, grid (chunks, B·H): the chunk-local part of the output's gradient,
    ``dP = scale·(dO Ṽᵀ)`` (lower, to a scratch buffer) and ``dṼ_local = Aqkᵀ dO``, in parallel over chunks.
-2. :func:`kda_bwd_state_kernel`, grid (V blocks, B·H), chunks in reverse — the only sequential part::
+2. :func:`kda_bwd_state_kernel`, grid (V blocks, N·H), N = B (packed: the sequences), chunks in
+   reverse — the only sequential part::
 
         dṼ = dṼ_local + kg dS                        (Ṽ feeds the output and the next state)
         dS ← Diag(Γ_C) dS + qgᵀ dO − Wᵀ dṼ           (gradient of the state entering the chunk)

@@ -20,8 +20,9 @@ Six kernels:
    matrices ``P`` and ``M``, and the inverse of its 16×16 diagonal block of ``I + Diag(β) M``.
 3. :func:`kda_fwd_solve_kernel`, grid (chunks, B·H): A⁻¹ from the diagonal inverses (a nilpotent series).
 4. :func:`kda_fwd_wu_kernel`, grid (key + value blocks, chunks, B·H): W or U of one block.
-5. :func:`kda_fwd_state_kernel`, grid (V blocks, B·H): the only sequential part, chunk after chunk:
-   ``Ṽ = U − W S`` and ``S ← Diag(Γ_C) S + kgᵀ Ṽ``; stores the state entering every chunk.
+5. :func:`kda_fwd_state_kernel`, grid (V blocks, N·H), N = B (packed: the sequences): the only
+   sequential part, chunk after chunk: ``Ṽ = U − W S`` and ``S ← Diag(Γ_C) S + kgᵀ Ṽ``; stores the
+   state entering every chunk.
 6. :func:`kda_fwd_output_kernel`, grid (chunks, V blocks, B·H): ``O = qg S + (scale P) Ṽ``.
 
 **Packed sequences** (``IS_VARLEN``, fla's ``cu_seqlens``): B = 1 and the token axis holds N sequences,
@@ -127,7 +128,7 @@ def invert_unit_lower_16_in_place(p_D, row_stride, n_rows, D, BC: tl.constexpr):
 @triton.jit(do_not_specialize=["T"])
 def kda_fwd_gate_kernel(
     q, k, g,            # inputs [B, T, H, K]
-    G, qg, kg, gl,      # outputs: G [B, T, H, K] fp32 (scratch for the next kernels), qg, kg, gl [B, NT, H, K]
+    G, qg, kg, gl,      # outputs: G fp32 (scratch for the next kernels), qg, kg [B, T, H, K]; gl [B, NT, H, K]
     scale, T,
     cu_seqlens, chunk_indices,  # packed sequences (IS_VARLEN): [N + 1] int64, [NT, 2] int32
     H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr,

@@ -170,7 +170,7 @@ def check_cu_seqlens(cu_seqlens: Tensor, q: Tensor, v: Tensor, initial_state: Te
     return bounds
 
 
-def kda_chunk(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=True, chunk_size=64,
+def kda_chunk(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=True, chunk_size=64, *,
               cu_seqlens=None):
     """Chunkwise :func:`k3lab.mixers.lineage.kda_recurrent` (K3 spec §2.3): per-channel ``g [B, T, H, K]``.
 
