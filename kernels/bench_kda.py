@@ -179,7 +179,9 @@ def main():
                           dict(BV=(32, 16), min_programs=256, num_warps=4)],
             "bwd_wy_key": [dict(BK=32, BV=64, num_warps=4), dict(BK=64, BV=64, num_warps=8),
                            dict(BK=16, BV=64, num_warps=4)],
-            "bwd_intra": [dict(BK=32, num_warps=4), dict(BK=64, num_warps=8), dict(BK=32, num_warps=8)],
+            "bwd_intra": [dict(BK=32, num_warps=1), dict(BK=32, num_warps=2), dict(BK=32, num_warps=4),
+                          dict(BK=16, num_warps=1), dict(BK=64, num_warps=4)],
+            "bwd_dg": [dict(BK=32, num_warps=4), dict(BK=64, num_warps=4), dict(BK=32, num_warps=2)],
         }
         for name, cands in candidates.items():
             best = None

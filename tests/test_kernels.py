@@ -162,6 +162,14 @@ def test_chunk_gpu_model_size(T, dtype):
     check_against_reference(2, T, 4, 128, 128, dtype, seed=T)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_chunk_packed_gpu_model_size(dtype):
+    lengths = [1000, 37, 3059, 64, 1]  # chunk-aligned, mid-chunk and one-token documents
+    check_against_reference(1, sum(lengths), 4, 128, 128, dtype, seed=7, lengths=lengths)
+
+
 def test_bad_inputs_raise():
     q = torch.zeros(1, 8, 2, 16)
     v, beta = torch.zeros(1, 8, 2, 16), torch.zeros(1, 8, 2)

@@ -30,8 +30,8 @@ import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
-from k3lab.kernels.kda_backward import (kda_bwd_dv_local_kernel, kda_bwd_intra_kernel, kda_bwd_state_kernel,
-                                        kda_bwd_wy_key_kernel, kda_bwd_wy_value_kernel)
+from k3lab.kernels.kda_backward import (kda_bwd_dg_kernel, kda_bwd_dv_local_kernel, kda_bwd_intra_kernel,
+                                        kda_bwd_state_kernel, kda_bwd_wy_key_kernel, kda_bwd_wy_value_kernel)
 from k3lab.kernels.kda_decode import kda_decode_kernel
 from k3lab.kernels.kda_forward import (kda_fwd_gate_kernel, kda_fwd_output_kernel, kda_fwd_scores_kernel,
                                       kda_fwd_solve_kernel, kda_fwd_state_kernel, kda_fwd_wu_kernel)
@@ -49,7 +49,10 @@ ACTIVATION_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, tor
 # Launch parameters per kernel (H200, triton 3.6). "BV"/"BK": value/key block; the state kernels take
 # the widest value block that still gives at least `min_programs` programs, so long single sequences
 # (few B·H) still spread over the GPU's 132 SMs. bwd_state needs num_stages=2: with 1 it hit an illegal
-# memory access on the H200 (triton 3.6).
+# memory access on the H200 (triton 3.6). bwd_intra and bwd_dg: `bench_kda.py --tune` on the H200
+# (2026-11-29, forward+backward ms at B8 T4096 / B1 T65536): bwd_intra BK 32 with 2 warps 7.289 / 17.965,
+# 1 warp 7.427 / 18.297, 4 warps 7.811 / 19.013, BK 64 4 warps 7.577 / 18.533, BK 16 1 warp 7.751 / 18.879;
+# bwd_dg 2 warps 7.244 / 17.943, 4 warps 7.258 / 17.969.
 LAUNCH = {
     "fwd_gate": dict(BK=32, num_warps=4, num_stages=1),
     "fwd_scores": dict(BK=32, num_warps=2, num_stages=1),
@@ -61,7 +64,8 @@ LAUNCH = {
     "bwd_state": dict(BV=(64, 32, 16), min_programs=128, num_warps=4, num_stages=2),
     "bwd_wy_key": dict(BK=32, BV=64, num_warps=4, num_stages=2),
     "bwd_wy_value": dict(BV=64, num_warps=4, num_stages=1),
-    "bwd_intra": dict(BK=32, num_warps=4, num_stages=1),
+    "bwd_intra": dict(BK=32, num_warps=2, num_stages=1),
+    "bwd_dg": dict(BK=32, num_warps=2, num_stages=1),
     "decode": dict(BV=32, num_warps=4, num_stages=1),
 }
 
@@ -206,7 +210,7 @@ def kda_forward(q, k, v, g, beta, scale, initial_state, output_final_state, pack
 
 
 def kda_backward(q, k, v, g, beta, scale, initial_state, saved, do, dht, packing=None):
-    """Run the five backward kernels; returns ``(dq, dk, dv, dg, dbeta, dh0 or None)``."""
+    """Run the six backward kernels; returns ``(dq, dk, dv, dg, dbeta, dh0 or None)``."""
     qg, kg, w, gl, Aqk, Akk_inv, Mkk, hs, v_new = saved
     B, T, H, K, V, NT, BK, DT, PREC = _sizes(q, v, packing)
     chunks, seqs, N = _packing_args(packing, B)
@@ -239,9 +243,12 @@ def kda_backward(q, k, v, g, beta, scale, initial_state, saved, do, dht, packing
         **_launch("bwd_wy_value"))
     dq, dk, dg = torch.empty_like(q), torch.empty_like(k), torch.empty_like(g)
     BKi = _block(K, LAUNCH["bwd_intra"]["BK"])
-    kda_bwd_intra_kernel[(triton.cdiv(K, BKi), NT, B * H)](  # a chunk's key blocks side by side: dP, dM from L2
-        q, k, g, dP, dM, dq_p, dk_p, dG_p, dq, dk, dg, T,
+    kda_bwd_intra_kernel[(triton.cdiv(K, BKi) * (CHUNK // TILE), NT, B * H)](  # a chunk's programs side by side
+        q, k, g, dP, dM, dq_p, dk_p, dG_p, dq, dk, T,  # adds the score terms to dG_p in place
         H=H, K=K, BT=CHUNK, BC=TILE, BK=BKi, PREC=PREC, **chunks, **_launch("bwd_intra"))
+    BKg = _block(K, LAUNCH["bwd_dg"]["BK"])
+    kda_bwd_dg_kernel[(triton.cdiv(K, BKg), NT, B * H)](
+        dG_p, dg, T, H=H, K=K, BT=CHUNK, BK=BKg, **chunks, **_launch("bwd_dg"))
     return dq, dk, dv, dg, dbeta, dh0
 
 

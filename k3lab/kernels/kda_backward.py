@@ -28,8 +28,10 @@ nothing sequential. With ``dS`` the gradient of the state *leaving* a chunk, and
         d(βV) = dY → dv, dβ;    dL = −dY Ṽᵀ (strictly lower);    dβ_i += Σ_j dL_ij M_ij;    dM = Diag(β) dL
 
    and the final ``dβ`` (adding the key blocks' partials); ``dM`` goes to a scratch buffer.
-5. :func:`kda_bwd_intra_kernel`, grid (K blocks, chunks, B·H): the gradients through the 16-token
-   score tiles, anchored like the forward, then ``dg = reverse cumsum of dG`` in the chunk.
+5. :func:`kda_bwd_intra_kernel`, grid (K blocks × 16-token tiles, chunks, B·H): the gradients through
+   the scores ``P, M`` for one tile's rows and columns, anchored like the forward; adds its terms to
+   ``dG`` in place.
+6. :func:`kda_bwd_dg_kernel`, grid (K blocks, chunks, B·H): ``dg = reverse cumsum of dG`` in the chunk.
 
 Packed sequences (``IS_VARLEN``) as in the forward: the chunk grids run over the chunks of all
 sequences, :func:`kda_bwd_state_kernel` over the N sequences; ``dht`` and ``dh0`` are ``[N, H, K, V]``.
@@ -288,123 +290,147 @@ def kda_bwd_wy_value_kernel(
 
 @triton.jit(do_not_specialize=["T"])
 def kda_bwd_intra_kernel(
-    q, k, g, dP, dM, dq_p, dk_p, dG_p,   # inputs
-    dq, dk, dg,                          # outputs
+    q, k, g, dP, dM, dq_p, dk_p,   # inputs
+    dG_p,                          # in: the chunk-level dG; out: dG with the score terms added (fp32)
+    dq, dk,                        # outputs
     T,
-    cu_seqlens, chunk_indices,           # packed sequences (IS_VARLEN)
+    cu_seqlens, chunk_indices,     # packed sequences (IS_VARLEN)
     H: tl.constexpr, K: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
     PREC: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):
     """Gradients through ``P_ij = Σ_d q_id k_jd e^{G_id − G_jd}`` (j ≤ i) and ``M`` (same form with k
-    for q, j < i) for one chunk and one block of ``BK`` key channels, on 16×16 tiles of the chunk.
-
-    Tile ``X`` (rows ``a .. a+15``, anchor row ``a``) collects, from the score gradients ``dP, dM``::
+    for q, j < i) for one 16-token tile ``X`` (rows ``a .. e``) of a chunk and one block of ``BK`` key
+    channels; grid (K blocks × tiles, chunks, B·H). From the score gradients ``dP, dM``::
 
         row side  (i in X):  dq_i += Σ_{j ≤ i} dP_ij k_j e^{G_i−G_j},   dk_i += Σ_{j < i} dM_ij k_j e^{G_i−G_j}
         column side (j in X): dk_j += Σ_{i ≥ j} (dP_ij q_i + dM_ij k_i) e^{G_i−G_j}
-        dG = q ⊙ dq_row + k ⊙ (dk_row − dk_col),      dg_i = Σ_{r ≥ i in the chunk} dG_r
+        dG = q ⊙ dq_row + k ⊙ (dk_row − dk_col)      (added to dG_p in place; dg, its in-chunk reverse
+                                                        cumsum, is :func:`kda_bwd_dg_kernel`)
 
-    every pair of tiles ``(X, J)`` being one ``[16, 16] × [16, BK]`` tensor-core product with the decay
-    split at the anchor, ``e^{G_i−G_j} = e^{G_i−G_a} · e^{G_a−G_j}``:
+    Every pair of tiles is one ``[16, 16] × [16, BK]`` tensor-core product, the decay split at an anchor
+    row; off the diagonal the anchor lies *between* i and j, so both factors are ≤ 1 and the fp32 errors
+    of the two exponents add up to a multiple of ``|G_i − G_j|`` (a term with a large exponent is small):
 
-    - diagonal tile: ``e^{G_i−G_a} ≤ 1`` on the rows and ``e^{G_a−G_j} = e^{−Σ_{a<r≤j} g_r} ≤ e^{15·5} = e^75``
-      on the keys (K3's gate ``g ≥ −5``), inside fp32/tf32 range;
-    - keys of an earlier tile ``J``: ``e^{G_a−G_j} = e^{Σ_{j<r≤a} g_r} ≤ 1``; rows of a later tile ``I``:
-      ``e^{G_i−G_a} ≤ 1``.
+    - keys of an earlier tile ``J``, anchor ``a``: ``e^{G_i−G_a} = e^{Σ_{a<r≤i} g_r}`` (rows) and
+      ``e^{G_a−G_j} = e^{Σ_{j<r≤a} g_r}`` (keys: a reverse scan of tile J plus the sums of g over the
+      tiles in between and ``g_a``);
+    - rows of a later tile ``I``, anchor ``e``: ``e^{G_i−G_e}`` (rows: a forward scan of tile I plus the
+      sums in between) and ``e^{G_e−G_j}`` (columns);
+    - the diagonal tile, anchored at ``a`` like the forward: ``e^{G_i−G_a} ≤ 1`` and
+      ``e^{G_a−G_j} ≤ e^{15·5} = e^75`` (K3's gate ``g ≥ −5``), both from one 16-row scan, so their
+      rounding errors cancel in the product.
 
-    No chunk-level cumsum of g is formed: every exponent is a tile-local cumsum plus a running sum of
-    whole-tile sums (at most three terms), so its error scales with the exponent itself, not with the
-    ~300 that ``G`` reaches in a chunk (a difference of two fp32 chunk cumsums carries ~1e-5 absolute).
-
-    Tiles go last to first, so ``dg`` (the in-chunk reverse cumsum of ``dG``) carries the sum of the
-    later tiles. Per program: 4 diagonal + 6 off-diagonal tile pairs, 40 small products, 20 ``[16, BK]``
-    exps and 20 ``[16, BK]`` scans; the ``dP, dM`` tiles come from L1/L2 (the grid puts a chunk's key
-    blocks next to each other).
+    No chunk-level cumsum of g is formed. Per program (tile X of NC = 4): ``4 + 2·(NC − 1)`` products,
+    ``2 + (NC − 1)`` scans and ``3 + (NC − 1)`` exps of ``[16, BK]``; the loops over the other tiles
+    only add independent products into accumulators. Unlike one program per chunk looping over its
+    tiles, no program waits on another tile's result, and with one warp per program the scans need
+    no barriers across warps.
     """
-    i_kb, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    NC: tl.constexpr = BT // BC
+    i_kx, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_k, X = i_kx // NC, i_kx % NC
     i_b, i_h = i_bh // H, i_bh % H
     bos = i_b.to(tl.int64) * T  # first token of the batch row
     if IS_VARLEN:
         bos, T = packed_chunk_span(i_t, cu_seqlens, chunk_indices, BT)
     t0 = i_t * BT
+    a = t0 + X * BC  # anchor row (token index) of the tile
+    if a >= T:
+        return
     seq = bos * H + i_h
     q, k, g, dq_p, dk_p, dG_p = q + seq * K, k + seq * K, g + seq * K, dq_p + seq * K, dk_p + seq * K, dG_p + seq * K
-    dq, dk, dg, dP, dM = dq + seq * K, dk + seq * K, dg + seq * K, dP + seq * BT, dM + seq * BT
-    o_k = i_kb * BK + tl.arange(0, BK)
+    dq, dk, dP, dM = dq + seq * K, dk + seq * K, dP + seq * BT, dM + seq * BT
+    o_k = i_k * BK + tl.arange(0, BK)
     m_k = o_k < K
     o_c = tl.arange(0, BC)
-    NC: tl.constexpr = BT // BC
-    b_carry = tl.zeros([BK], dtype=tl.float32)  # Σ of dG over the later tiles
-    for ii in range(NC):
-        X = NC - 1 - ii
-        a = t0 + X * BC  # anchor row (token index)
-        o_i = a + o_c
-        m_i = o_i < T
-        m_ik = m_i[:, None] & m_k[None, :]
-        p_ik = o_i[:, None] * (H * K) + o_k[None, :]
-        b_gi = tl.load(g + p_ik, mask=m_ik, other=0.0).to(tl.float32)  # padding rows: g = 0
-        b_qi = tl.load(q + p_ik, mask=m_ik, other=0.0).to(tl.float32)
-        b_ki = tl.load(k + p_ik, mask=m_ik, other=0.0).to(tl.float32)
-        b_ga = tl.load(g + tl.minimum(a, T - 1) * (H * K) + o_k, mask=m_k, other=0.0).to(tl.float32)  # g_a (any row past T)
-        b_li = tl.cumsum(b_gi, 0) - b_ga[None, :]  # G_i − G_a = Σ_{a<r≤i} g_r
-        b_rf = tl.exp(b_li)  # rows: e^{G_i − G_a} ≤ 1
-        b_kf = tl.exp(-b_li)  # keys of the tile: e^{G_a − G_j} ≤ e^75
+    x_c = X * BC + o_c  # the tile's rows as rows of the chunk
+    o_i = a + o_c
+    m_i = o_i < T
+    m_ik = m_i[:, None] & m_k[None, :]
+    p_ik = o_i[:, None] * (H * K) + o_k[None, :]
+    b_gi = tl.load(g + p_ik, mask=m_ik, other=0.0).to(tl.float32)  # padding rows: g = 0
+    b_qi = tl.load(q + p_ik, mask=m_ik, other=0.0).to(tl.float32)
+    b_ki = tl.load(k + p_ik, mask=m_ik, other=0.0).to(tl.float32)
+    b_ga = tl.load(g + a * (H * K) + o_k, mask=m_k, other=0.0).to(tl.float32)
+    b_li = tl.cumsum(b_gi, 0) - b_ga[None, :]  # G_i − G_a = Σ_{a<r≤i} g_r
+    b_rf = tl.exp(b_li)  # e^{G_i − G_a} ≤ 1
+    b_kf = tl.exp(-b_li)  # e^{G_a − G_j} ≤ e^75
 
-        # diagonal tile (dP lower, dM strictly lower)
-        p_XX = o_i[:, None] * (H * BT) + (X * BC + o_c)[None, :]
-        p_XXT = o_i[None, :] * (H * BT) + (X * BC + o_c)[:, None]
-        b_dP = tl.load(dP + p_XX, mask=m_i[:, None] & (o_c[:, None] >= o_c[None, :]), other=0.0)
-        b_dM = tl.load(dM + p_XX, mask=m_i[:, None] & (o_c[:, None] > o_c[None, :]), other=0.0)
-        b_dPT = tl.load(dP + p_XXT, mask=m_i[None, :] & (o_c[:, None] <= o_c[None, :]), other=0.0)
-        b_dMT = tl.load(dM + p_XXT, mask=m_i[None, :] & (o_c[:, None] < o_c[None, :]), other=0.0)
-        b_kd = b_ki * b_kf
-        b_dq_row = mm_fp32(b_dP, b_kd, PREC)  # [BC, BK], all row terms share the row factor e^{G_i − G_a}
-        b_dk_row = mm_fp32(b_dM, b_kd, PREC)
-        b_dk_col = mm_fp32(b_dPT, b_qi * b_rf, PREC) + mm_fp32(b_dMT, b_ki * b_rf, PREC)
+    # diagonal tile: dP lower, dM strictly lower, and their transposes
+    p_XX = o_i[:, None] * (H * BT) + x_c[None, :]
+    p_XXT = o_i[None, :] * (H * BT) + x_c[:, None]
+    b_dP = tl.load(dP + p_XX, mask=m_i[:, None] & (o_c[:, None] >= o_c[None, :]), other=0.0)
+    b_dM = tl.load(dM + p_XX, mask=m_i[:, None] & (o_c[:, None] > o_c[None, :]), other=0.0)
+    b_dPT = tl.load(dP + p_XXT, mask=m_i[None, :] & (o_c[:, None] <= o_c[None, :]), other=0.0)
+    b_dMT = tl.load(dM + p_XXT, mask=m_i[None, :] & (o_c[:, None] < o_c[None, :]), other=0.0)
+    b_kd = b_ki * b_kf
+    b_dq_row = mm_fp32(b_dP, b_kd, PREC)  # [BC, BK], every row term shares the row factor e^{G_i − G_a}
+    b_dk_row = mm_fp32(b_dM, b_kd, PREC)
+    b_dk_col = (mm_fp32(b_dPT, b_qi * b_rf, PREC) + mm_fp32(b_dMT, b_ki * b_rf, PREC)) * b_kf
 
-        # row side, keys of the earlier tiles J = X-1 .. 0:  e^{G_a − G_j} = e^{(S_J − L_j) + w},
-        # w = g_a + Σ_{J<M<X} S_M  (S_M: the sum of g over tile M, L_j: the tile-local cumsum)
-        b_w = b_ga
-        for jj in range(X):
-            J = X - 1 - jj
-            o_j = t0 + J * BC + o_c
-            m_jk = (o_j < T)[:, None] & m_k[None, :]
-            p_jk = o_j[:, None] * (H * K) + o_k[None, :]
-            b_gj = tl.load(g + p_jk, mask=m_jk, other=0.0).to(tl.float32)
-            b_kj = tl.load(k + p_jk, mask=m_jk, other=0.0).to(tl.float32)
-            b_kt = b_kj * tl.exp(decay_to_end(b_gj) + b_w[None, :])  # ≤ 1
-            p_XJ = o_i[:, None] * (H * BT) + (J * BC + o_c)[None, :]
-            b_dq_row += mm_fp32(tl.load(dP + p_XJ, mask=m_i[:, None], other=0.0), b_kt, PREC)
-            b_dk_row += mm_fp32(tl.load(dM + p_XJ, mask=m_i[:, None], other=0.0), b_kt, PREC)
-            b_w += tl.sum(b_gj, 0)
-        b_dq_row *= b_rf
-        b_dk_row *= b_rf
+    # row side, keys of the earlier tiles J = X-1 .. 0:  e^{G_a − G_j} = e^{(G_end(J) − G_j) + w},
+    # w = g_a + Σ_{J<M<X} S_M  (S_M: the sum of g over tile M)
+    b_w = b_ga
+    for jj in range(X):
+        J = X - 1 - jj
+        o_j = t0 + J * BC + o_c  # < a < T
+        p_jk = o_j[:, None] * (H * K) + o_k[None, :]
+        b_gj = tl.load(g + p_jk, mask=m_k[None, :], other=0.0).to(tl.float32)
+        b_kt = tl.load(k + p_jk, mask=m_k[None, :], other=0.0).to(tl.float32)
+        b_kt *= tl.exp(decay_to_end(b_gj) + b_w[None, :])  # ≤ 1
+        p_XJ = o_i[:, None] * (H * BT) + (J * BC + o_c)[None, :]
+        b_dq_row += mm_fp32(tl.load(dP + p_XJ, mask=m_i[:, None], other=0.0), b_kt, PREC)
+        b_dk_row += mm_fp32(tl.load(dM + p_XJ, mask=m_i[:, None], other=0.0), b_kt, PREC)
+        b_w += tl.sum(b_gj, 0)
+    b_dq_row *= b_rf
+    b_dk_row *= b_rf
 
-        # column side, rows of the later tiles I = X+1 .. NC-1:  e^{G_i − G_a} = e^{L_i + u},
-        # u = (S_X − g_a) + Σ_{X<M<I} S_M
-        b_u = tl.sum(b_gi, 0) - b_ga
-        for I in range(X + 1, NC):
-            o_r = t0 + I * BC + o_c
-            m_r = o_r < T
-            m_rk = m_r[:, None] & m_k[None, :]
-            p_rk = o_r[:, None] * (H * K) + o_k[None, :]
-            b_gr = tl.load(g + p_rk, mask=m_rk, other=0.0).to(tl.float32)
-            b_qr = tl.load(q + p_rk, mask=m_rk, other=0.0).to(tl.float32)
-            b_kr = tl.load(k + p_rk, mask=m_rk, other=0.0).to(tl.float32)
-            b_e = tl.exp(tl.cumsum(b_gr, 0) + b_u[None, :])  # ≤ 1
-            p_IXT = o_r[None, :] * (H * BT) + (X * BC + o_c)[:, None]  # [BC, BC] transposed tile
-            b_dPT = tl.load(dP + p_IXT, mask=m_r[None, :], other=0.0)
-            b_dMT = tl.load(dM + p_IXT, mask=m_r[None, :], other=0.0)
-            b_dk_col += mm_fp32(b_dPT, b_qr * b_e, PREC) + mm_fp32(b_dMT, b_kr * b_e, PREC)
-            b_u += tl.sum(b_gr, 0)
-        b_dk_col *= b_kf
+    # column side, rows of the later tiles I = X+1 .. NC-1:  e^{G_i − G_e} = e^{C_i + u} ≤ 1, C the inclusive
+    # cumsum of g over tile I, u = Σ_{X<M<I} S_M;  then the columns' e^{G_e − G_j} ≤ 1
+    b_dk_late = tl.zeros([BC, BK], dtype=tl.float32)
+    b_u = tl.zeros([BK], dtype=tl.float32)
+    for I in range(X + 1, NC):
+        o_r = t0 + I * BC + o_c
+        m_r = o_r < T
+        m_rk = m_r[:, None] & m_k[None, :]
+        p_rk = o_r[:, None] * (H * K) + o_k[None, :]
+        b_gr = tl.load(g + p_rk, mask=m_rk, other=0.0).to(tl.float32)
+        b_e = tl.exp(tl.cumsum(b_gr, 0) + b_u[None, :])  # ≤ 1
+        b_qe = tl.load(q + p_rk, mask=m_rk, other=0.0).to(tl.float32) * b_e
+        b_ke = tl.load(k + p_rk, mask=m_rk, other=0.0).to(tl.float32) * b_e
+        p_IXT = o_r[None, :] * (H * BT) + x_c[:, None]  # [BC, BC] transposed tile
+        b_dk_late += mm_fp32(tl.load(dP + p_IXT, mask=m_r[None, :], other=0.0), b_qe, PREC)
+        b_dk_late += mm_fp32(tl.load(dM + p_IXT, mask=m_r[None, :], other=0.0), b_ke, PREC)
+        b_u += tl.sum(b_gr, 0)
+    b_dk_col += b_dk_late * tl.exp(decay_to_end(b_gi))
 
-        b_dqi = tl.load(dq_p + p_ik, mask=m_ik, other=0.0) + b_dq_row
-        b_dki = tl.load(dk_p + p_ik, mask=m_ik, other=0.0) + b_dk_row + b_dk_col
-        b_dGi = tl.load(dG_p + p_ik, mask=m_ik, other=0.0) + b_qi * b_dq_row + b_ki * (b_dk_row - b_dk_col)
-        b_dgi = b_carry[None, :] + tl.cumsum(b_dGi, 0, reverse=True)
-        b_carry += tl.sum(b_dGi, 0)
-        tl.store(dq + p_ik, b_dqi.to(dq.dtype.element_ty), mask=m_ik)
-        tl.store(dk + p_ik, b_dki.to(dk.dtype.element_ty), mask=m_ik)
-        tl.store(dg + p_ik, b_dgi.to(dg.dtype.element_ty), mask=m_ik)
+    tl.store(dq + p_ik, (tl.load(dq_p + p_ik, mask=m_ik, other=0.0) + b_dq_row).to(dq.dtype.element_ty), mask=m_ik)
+    b_dki = tl.load(dk_p + p_ik, mask=m_ik, other=0.0) + b_dk_row + b_dk_col
+    tl.store(dk + p_ik, b_dki.to(dk.dtype.element_ty), mask=m_ik)
+    b_dGi = tl.load(dG_p + p_ik, mask=m_ik, other=0.0) + b_qi * b_dq_row + b_ki * (b_dk_row - b_dk_col)
+    tl.store(dG_p + p_ik, b_dGi, mask=m_ik)
+
+
+@triton.jit(do_not_specialize=["T"])
+def kda_bwd_dg_kernel(
+    dG,   # input [B, T, H, K] fp32: the gradient of the in-chunk cumulative decay G
+    dg,   # output [B, T, H, K]
+    T,
+    cu_seqlens, chunk_indices,  # packed sequences (IS_VARLEN)
+    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr,
+):
+    """``dg_i = Σ_{r ≥ i in the chunk} dG_r`` (``G = cumsum g`` inside each chunk), one ``[BT, BK]``
+    reverse scan per program; grid (K blocks, chunks, B·H)."""
+    i_k, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    bos = i_b.to(tl.int64) * T  # first token of the batch row
+    if IS_VARLEN:
+        bos, T = packed_chunk_span(i_t, cu_seqlens, chunk_indices, BT)
+    seq = bos * H + i_h
+    o_t = i_t * BT + tl.arange(0, BT)
+    o_k = i_k * BK + tl.arange(0, BK)
+    m_tk = (o_t < T)[:, None] & (o_k < K)[None, :]
+    p_tk = seq * K + o_t[:, None] * (H * K) + o_k[None, :]
+    b_dG = tl.load(dG + p_tk, mask=m_tk, other=0.0)
+    tl.store(dg + p_tk, tl.cumsum(b_dG, 0, reverse=True).to(dg.dtype.element_ty), mask=m_tk)
