@@ -179,7 +179,7 @@ def kda_forward(q, k, v, g, beta, scale, initial_state, output_final_state, pack
     u = torch.empty_like(v, dtype=torch.float32)  # fp32: Ṽ = U − W S cancels; U in bf16 doubled the error
     gl = torch.empty(B, NT, H, K, **f32)  # G_C per chunk
     Aqk, Akk_inv, Mkk = (torch.empty(B, T, H, CHUNK, **f32) for _ in range(3))
-    G = torch.empty(B, T, H, K, **f32)  # in-chunk cumulative decay, scratch
+    G = torch.empty(B, T, H, K, **f32)  # in-chunk cumulative decay (saved: the backward's decays)
     BKg = _block(K, LAUNCH["fwd_gate"]["BK"])
     kda_fwd_gate_kernel[(triton.cdiv(K, BKg), NT, B * H)](
         q, k, g, G, qg, kg, gl, scale, T, H=H, K=K, BT=CHUNK, BK=BKg, **chunks, **_launch("fwd_gate"))
@@ -206,12 +206,12 @@ def kda_forward(q, k, v, g, beta, scale, initial_state, output_final_state, pack
     kda_fwd_output_kernel[(NT, triton.cdiv(V, BV), B * H)](
         qg, hs, Aqk, v_new, o, T, H=H, K=K, V=V, BT=CHUNK, BK=_block(K, LAUNCH["fwd_output"]["BK"]), BV=BV,
         DT=DT, PREC=PREC, **chunks, **_launch("fwd_output"))
-    return o, final_state, (qg, kg, w, gl, Aqk, Akk_inv, Mkk, hs, v_new)
+    return o, final_state, (G, qg, kg, w, gl, Aqk, Akk_inv, Mkk, hs, v_new)
 
 
 def kda_backward(q, k, v, g, beta, scale, initial_state, saved, do, dht, packing=None):
     """Run the six backward kernels; returns ``(dq, dk, dv, dg, dbeta, dh0 or None)``."""
-    qg, kg, w, gl, Aqk, Akk_inv, Mkk, hs, v_new = saved
+    G, qg, kg, w, gl, Aqk, Akk_inv, Mkk, hs, v_new = saved
     B, T, H, K, V, NT, BK, DT, PREC = _sizes(q, v, packing)
     chunks, seqs, N = _packing_args(packing, B)
     f32 = dict(dtype=torch.float32, device=q.device)
@@ -233,7 +233,7 @@ def kda_backward(q, k, v, g, beta, scale, initial_state, saved, do, dht, packing
     NK = triton.cdiv(K, BKw)
     dbeta_p = torch.empty(B, T, H, NK, **f32)  # dβ of each key block
     kda_bwd_wy_key_kernel[(NK, NT, B * H)](
-        q, k, g, beta, Akk_inv, hs, dhs, do, v_new, dv_new, dq_p, dk_p, dG_p, dbeta_p, scale, T,
+        q, k, G, gl, beta, Akk_inv, hs, dhs, do, v_new, dv_new, dq_p, dk_p, dG_p, dbeta_p, scale, T,
         H=H, K=K, V=V, BT=CHUNK, BK=BKw, BV=_block(V, cfg["BV"]), DT=DT, PREC=PREC, **chunks,
         **_launch("bwd_wy_key"))
     dv, dbeta = torch.empty_like(v), torch.empty_like(beta)
@@ -244,7 +244,7 @@ def kda_backward(q, k, v, g, beta, scale, initial_state, saved, do, dht, packing
     dq, dk, dg = torch.empty_like(q), torch.empty_like(k), torch.empty_like(g)
     BKi = _block(K, LAUNCH["bwd_intra"]["BK"])
     kda_bwd_intra_kernel[(triton.cdiv(K, BKi) * (CHUNK // TILE), NT, B * H)](  # a chunk's programs side by side
-        q, k, g, dP, dM, dq_p, dk_p, dG_p, dq, dk, T,  # adds the score terms to dG_p in place
+        q, k, G, dP, dM, dq_p, dk_p, dG_p, dq, dk, T,  # adds the score terms to dG_p in place
         H=H, K=K, BT=CHUNK, BC=TILE, BK=BKi, PREC=PREC, **chunks, **_launch("bwd_intra"))
     BKg = _block(K, LAUNCH["bwd_dg"]["BK"])
     kda_bwd_dg_kernel[(triton.cdiv(K, BKg), NT, B * H)](

@@ -1,8 +1,8 @@
 """Triton backward kernels of chunkwise KDA (K3 spec §2.3); notation as in :mod:`k3lab.kernels.kda_forward`.
 
 The forward saves the state entering every chunk (``hs``), the pseudo-values ``Ṽ``, ``A⁻¹``, ``M``,
-the scaled scores ``Aqk = scale·P`` and ``qg``, ``kg``, ``W``, ``G_C``: the backward recomputes
-nothing sequential. With ``dS`` the gradient of the state *leaving* a chunk, and ``dO``:
+the scaled scores ``Aqk = scale·P``, the in-chunk cumulative decay ``G`` and ``qg``, ``kg``, ``W``,
+``G_C``: the backward recomputes nothing sequential and runs no scan but the final one for ``dg``. With ``dS`` the gradient of the state *leaving* a chunk, and ``dO``:
 
 1. :func:`kda_bwd_dv_local_kernel`, grid (chunks, B·H): the chunk-local part of the output's gradient,
    ``dP = scale·(dO Ṽᵀ)`` (lower, to a scratch buffer) and ``dṼ_local = Aqkᵀ dO``, in parallel over chunks.
@@ -40,7 +40,7 @@ sequences, :func:`kda_bwd_state_kernel` over the N sequences; ``dht`` and ``dh0`
 import triton
 import triton.language as tl
 
-from k3lab.kernels.kda_forward import decay_to_end, mm, mm_fp32, packed_chunk_span, packed_sequence_span
+from k3lab.kernels.kda_forward import mm, mm_fp32, packed_chunk_span, packed_sequence_span
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -146,7 +146,7 @@ def kda_bwd_state_kernel(
 
 @triton.jit(do_not_specialize=["T"])
 def kda_bwd_wy_key_kernel(
-    q, k, g, beta, Akk_inv, hs, dhs, do, v_new, dv_new,   # inputs
+    q, k, G, gl, beta, Akk_inv, hs, dhs, do, v_new, dv_new,   # inputs
     dq_p, dk_p, dG_p, dbeta_p,                           # outputs (dbeta_p [B, T, H, NK] fp32)
     scale, T,
     cu_seqlens, chunk_indices,                           # packed sequences (IS_VARLEN)
@@ -168,8 +168,8 @@ def kda_bwd_wy_key_kernel(
         dG += βΓk ⊙ d(βΓK)          (Γ in W)
         dG_C += Γ_C ⊙ Σ_v S ⊙ dS' + Σ_r kg ⊙ dK̃     (on the last valid row)
 
-    Per program: three ``[BT, V] × [V, BK]`` products in DT, one ``[BT, BT] × [BT, BK]`` in tf32,
-    two scans of ``g``.
+    Per program: three ``[BT, V] × [V, BK]`` products in DT, one ``[BT, BT] × [BT, BK]`` in tf32; the
+    decays come from the forward's in-chunk cumsum ``G`` and ``G_C`` (no scans).
     """
     i_k, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     NK = tl.num_programs(0)
@@ -180,7 +180,7 @@ def kda_bwd_wy_key_kernel(
     if IS_VARLEN:
         bos, T = packed_chunk_span(i_t, cu_seqlens, chunk_indices, BT)
     seq = bos * H + i_h
-    q, k, g, dq_p, dk_p, dG_p = q + seq * K, k + seq * K, g + seq * K, dq_p + seq * K, dk_p + seq * K, dG_p + seq * K
+    q, k, G, dq_p, dk_p, dG_p = q + seq * K, k + seq * K, G + seq * K, dq_p + seq * K, dk_p + seq * K, dG_p + seq * K
     do, v_new, dv_new = do + seq * V, v_new + seq * V, dv_new + seq * V
     beta, dbeta_p, Akk_inv = beta + seq, dbeta_p + seq * NK, Akk_inv + seq * BT
     rows = tl.arange(0, BT)
@@ -190,7 +190,8 @@ def kda_bwd_wy_key_kernel(
     o_k = i_k * BK + tl.arange(0, BK)
     m_k = o_k < K
     m_tk = m_t[:, None] & m_k[None, :]
-    p_state = ((i_b.to(tl.int64) * NT + i_t) * H + i_h) * K * V
+    p_chunk = (i_b.to(tl.int64) * NT + i_t) * H + i_h  # row of the per-chunk buffers gl, hs, dhs
+    p_state = p_chunk * K * V
     b_dqg = tl.zeros([BT, BK], dtype=tl.float32)  # dO Sᵀ
     b_dkt = tl.zeros([BT, BK], dtype=tl.float32)  # Ṽ dS'ᵀ  (gradient of kg)
     b_dw = tl.zeros([BT, BK], dtype=tl.float32)   # dṼ Sᵀ  (= −dW)
@@ -213,16 +214,17 @@ def kda_bwd_wy_key_kernel(
     b_beta = tl.load(beta + o_t * H, mask=m_t, other=0.0).to(tl.float32)
     b_q = tl.load(q + p_tk, mask=m_tk, other=0.0).to(tl.float32)
     b_k = tl.load(k + p_tk, mask=m_tk, other=0.0).to(tl.float32)
-    b_g = tl.load(g + p_tk, mask=m_tk, other=0.0).to(tl.float32)
-    b_gam = tl.exp(tl.cumsum(b_g, 0))
-    b_dec = tl.exp(decay_to_end(b_g))  # exp(G_C − G)
+    b_G = tl.load(G + p_tk, mask=m_tk, other=0.0)  # [BT, BK] in-chunk cumulative decay
+    b_GC = tl.load(gl + p_chunk * K + o_k, mask=m_k, other=0.0)  # [BK] G_C: G at the last valid row
+    b_gam = tl.exp(b_G)  # Γ
+    b_dec = tl.exp(b_GC[None, :] - b_G)  # exp(G_C − G) ≤ 1
     b_kg = b_k * b_dec
     b_Ai = tl.load(Akk_inv + o_t[:, None] * (H * BT) + rows[None, :], mask=m_t[:, None], other=0.0)
     b_dkbg = -mm_fp32(tl.trans(b_Ai), b_dw, PREC)  # d(βΓK) = A⁻ᵀ dW
     b_dq = scale * b_gam * b_dqg
     b_dk = b_dec * b_dkt + b_beta[:, None] * b_gam * b_dkbg
     b_dG = b_q * b_dq - b_kg * b_dkt + b_beta[:, None] * b_gam * b_k * b_dkbg
-    b_dGC = tl.exp(tl.sum(b_g, 0)) * b_hdh + tl.sum(b_kg * b_dkt, 0)
+    b_dGC = tl.exp(b_GC) * b_hdh + tl.sum(b_kg * b_dkt, 0)
     b_dG += tl.where(rows[:, None] == last, b_dGC[None, :], 0.0)
     tl.store(dq_p + p_tk, b_dq, mask=m_tk)
     tl.store(dk_p + p_tk, b_dk, mask=m_tk)
@@ -290,7 +292,7 @@ def kda_bwd_wy_value_kernel(
 
 @triton.jit(do_not_specialize=["T"])
 def kda_bwd_intra_kernel(
-    q, k, g, dP, dM, dq_p, dk_p,   # inputs
+    q, k, G, dP, dM, dq_p, dk_p,   # inputs (G: the forward's in-chunk cumulative decay, fp32)
     dG_p,                          # in: the chunk-level dG; out: dG with the score terms added (fp32)
     dq, dk,                        # outputs
     T,
@@ -300,8 +302,8 @@ def kda_bwd_intra_kernel(
     PREC: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):
     """Gradients through ``P_ij = Σ_d q_id k_jd e^{G_id − G_jd}`` (j ≤ i) and ``M`` (same form with k
-    for q, j < i) for one 16-token tile ``X`` (rows ``a .. e``) of a chunk and one block of ``BK`` key
-    channels; grid (K blocks × tiles, chunks, B·H). From the score gradients ``dP, dM``::
+    for q, j < i) for one 16-token tile ``X`` (rows ``a .. e = a + 15``) of a chunk and one block of ``BK``
+    key channels; grid (K blocks × tiles, chunks, B·H). From the score gradients ``dP, dM``::
 
         row side  (i in X):  dq_i += Σ_{j ≤ i} dP_ij k_j e^{G_i−G_j},   dk_i += Σ_{j < i} dM_ij k_j e^{G_i−G_j}
         column side (j in X): dk_j += Σ_{i ≥ j} (dP_ij q_i + dM_ij k_i) e^{G_i−G_j}
@@ -309,23 +311,17 @@ def kda_bwd_intra_kernel(
                                                         cumsum, is :func:`kda_bwd_dg_kernel`)
 
     Every pair of tiles is one ``[16, 16] × [16, BK]`` tensor-core product, the decay split at an anchor
-    row; off the diagonal the anchor lies *between* i and j, so both factors are ≤ 1 and the fp32 errors
-    of the two exponents add up to a multiple of ``|G_i − G_j|`` (a term with a large exponent is small):
+    row, as differences of the forward's fp32 in-chunk cumsum ``G`` (no scans here):
 
-    - keys of an earlier tile ``J``, anchor ``a``: ``e^{G_i−G_a} = e^{Σ_{a<r≤i} g_r}`` (rows) and
-      ``e^{G_a−G_j} = e^{Σ_{j<r≤a} g_r}`` (keys: a reverse scan of tile J plus the sums of g over the
-      tiles in between and ``g_a``);
-    - rows of a later tile ``I``, anchor ``e``: ``e^{G_i−G_e}`` (rows: a forward scan of tile I plus the
-      sums in between) and ``e^{G_e−G_j}`` (columns);
+    - keys of an earlier tile ``J``, anchor ``a``: ``e^{G_i−G_a} ≤ 1`` (rows, applied once at the end)
+      times ``e^{G_a−G_j} ≤ 1`` (keys);
+    - rows of a later tile ``I``, anchor ``e``: ``e^{G_i−G_e} ≤ 1`` (rows) times ``e^{G_e−G_j} ≤ 1``
+      (this tile's columns, applied once at the end);
     - the diagonal tile, anchored at ``a`` like the forward: ``e^{G_i−G_a} ≤ 1`` and
-      ``e^{G_a−G_j} ≤ e^{15·5} = e^75`` (K3's gate ``g ≥ −5``), both from one 16-row scan, so their
-      rounding errors cancel in the product.
+      ``e^{G_a−G_j} ≤ e^{15·5} = e^75`` (K3's gate ``g ≥ −5``).
 
-    No chunk-level cumsum of g is formed. Per program (tile X of NC = 4): ``4 + 2·(NC − 1)`` products,
-    ``2 + (NC − 1)`` scans and ``3 + (NC − 1)`` exps of ``[16, BK]``; the loops over the other tiles
-    only add independent products into accumulators. Unlike one program per chunk looping over its
-    tiles, no program waits on another tile's result, and with one warp per program the scans need
-    no barriers across warps.
+    Per program (tile X of NC = 4): ``4 + 2·(NC − 1)`` products and ``3 + (NC − 1)`` exps of ``[16, BK]``,
+    no scans; the loops over the other tiles only add independent products into accumulators.
     """
     NC: tl.constexpr = BT // BC
     i_kx, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -339,7 +335,7 @@ def kda_bwd_intra_kernel(
     if a >= T:
         return
     seq = bos * H + i_h
-    q, k, g, dq_p, dk_p, dG_p = q + seq * K, k + seq * K, g + seq * K, dq_p + seq * K, dk_p + seq * K, dG_p + seq * K
+    q, k, G, dq_p, dk_p, dG_p = q + seq * K, k + seq * K, G + seq * K, dq_p + seq * K, dk_p + seq * K, dG_p + seq * K
     dq, dk, dP, dM = dq + seq * K, dk + seq * K, dP + seq * BT, dM + seq * BT
     o_k = i_k * BK + tl.arange(0, BK)
     m_k = o_k < K
@@ -349,11 +345,11 @@ def kda_bwd_intra_kernel(
     m_i = o_i < T
     m_ik = m_i[:, None] & m_k[None, :]
     p_ik = o_i[:, None] * (H * K) + o_k[None, :]
-    b_gi = tl.load(g + p_ik, mask=m_ik, other=0.0).to(tl.float32)  # padding rows: g = 0
+    b_Gi = tl.load(G + p_ik, mask=m_ik, other=0.0)  # [BC, BK]
     b_qi = tl.load(q + p_ik, mask=m_ik, other=0.0).to(tl.float32)
     b_ki = tl.load(k + p_ik, mask=m_ik, other=0.0).to(tl.float32)
-    b_ga = tl.load(g + a * (H * K) + o_k, mask=m_k, other=0.0).to(tl.float32)
-    b_li = tl.cumsum(b_gi, 0) - b_ga[None, :]  # G_i − G_a = Σ_{a<r≤i} g_r
+    b_Ga = tl.load(G + a * (H * K) + o_k, mask=m_k, other=0.0)  # [BK] G at the anchor a
+    b_li = tl.where(m_ik, b_Gi - b_Ga[None, :], 0.0)  # G_i − G_a ∈ (−75, 0]
     b_rf = tl.exp(b_li)  # e^{G_i − G_a} ≤ 1
     b_kf = tl.exp(-b_li)  # e^{G_a − G_j} ≤ e^75
 
@@ -369,41 +365,34 @@ def kda_bwd_intra_kernel(
     b_dk_row = mm_fp32(b_dM, b_kd, PREC)
     b_dk_col = (mm_fp32(b_dPT, b_qi * b_rf, PREC) + mm_fp32(b_dMT, b_ki * b_rf, PREC)) * b_kf
 
-    # row side, keys of the earlier tiles J = X-1 .. 0:  e^{G_a − G_j} = e^{(G_end(J) − G_j) + w},
-    # w = g_a + Σ_{J<M<X} S_M  (S_M: the sum of g over tile M)
-    b_w = b_ga
-    for jj in range(X):
-        J = X - 1 - jj
-        o_j = t0 + J * BC + o_c  # < a < T
-        p_jk = o_j[:, None] * (H * K) + o_k[None, :]
-        b_gj = tl.load(g + p_jk, mask=m_k[None, :], other=0.0).to(tl.float32)
+    # row side, keys of the earlier tiles J < X: k_j e^{G_a − G_j}
+    for J in range(X):
+        p_jk = (t0 + J * BC + o_c)[:, None] * (H * K) + o_k[None, :]  # rows < a < T
         b_kt = tl.load(k + p_jk, mask=m_k[None, :], other=0.0).to(tl.float32)
-        b_kt *= tl.exp(decay_to_end(b_gj) + b_w[None, :])  # ≤ 1
+        b_kt *= tl.exp(b_Ga[None, :] - tl.load(G + p_jk, mask=m_k[None, :], other=0.0))  # ≤ 1
         p_XJ = o_i[:, None] * (H * BT) + (J * BC + o_c)[None, :]
         b_dq_row += mm_fp32(tl.load(dP + p_XJ, mask=m_i[:, None], other=0.0), b_kt, PREC)
         b_dk_row += mm_fp32(tl.load(dM + p_XJ, mask=m_i[:, None], other=0.0), b_kt, PREC)
-        b_w += tl.sum(b_gj, 0)
     b_dq_row *= b_rf
     b_dk_row *= b_rf
 
-    # column side, rows of the later tiles I = X+1 .. NC-1:  e^{G_i − G_e} = e^{C_i + u} ≤ 1, C the inclusive
-    # cumsum of g over tile I, u = Σ_{X<M<I} S_M;  then the columns' e^{G_e − G_j} ≤ 1
-    b_dk_late = tl.zeros([BC, BK], dtype=tl.float32)
-    b_u = tl.zeros([BK], dtype=tl.float32)
-    for I in range(X + 1, NC):
-        o_r = t0 + I * BC + o_c
-        m_r = o_r < T
-        m_rk = m_r[:, None] & m_k[None, :]
-        p_rk = o_r[:, None] * (H * K) + o_k[None, :]
-        b_gr = tl.load(g + p_rk, mask=m_rk, other=0.0).to(tl.float32)
-        b_e = tl.exp(tl.cumsum(b_gr, 0) + b_u[None, :])  # ≤ 1
-        b_qe = tl.load(q + p_rk, mask=m_rk, other=0.0).to(tl.float32) * b_e
-        b_ke = tl.load(k + p_rk, mask=m_rk, other=0.0).to(tl.float32) * b_e
-        p_IXT = o_r[None, :] * (H * BT) + x_c[:, None]  # [BC, BC] transposed tile
-        b_dk_late += mm_fp32(tl.load(dP + p_IXT, mask=m_r[None, :], other=0.0), b_qe, PREC)
-        b_dk_late += mm_fp32(tl.load(dM + p_IXT, mask=m_r[None, :], other=0.0), b_ke, PREC)
-        b_u += tl.sum(b_gr, 0)
-    b_dk_col += b_dk_late * tl.exp(decay_to_end(b_gi))
+    # column side, rows of the later tiles I > X (they exist only if all of tile X's rows are valid):
+    # (q_i, k_i) e^{G_i − G_e}, then this tile's columns e^{G_e − G_j}
+    if a + BC < T:
+        b_Ge = tl.load(G + (a + BC - 1) * (H * K) + o_k, mask=m_k, other=0.0)  # [BK] G at the anchor e
+        b_dk_late = tl.zeros([BC, BK], dtype=tl.float32)
+        for I in range(X + 1, NC):
+            o_r = t0 + I * BC + o_c
+            m_r = o_r < T
+            m_rk = m_r[:, None] & m_k[None, :]
+            p_rk = o_r[:, None] * (H * K) + o_k[None, :]
+            b_e = tl.where(m_rk, tl.exp(tl.load(G + p_rk, mask=m_rk, other=0.0) - b_Ge[None, :]), 0.0)  # ≤ 1
+            b_qe = tl.load(q + p_rk, mask=m_rk, other=0.0).to(tl.float32) * b_e
+            b_ke = tl.load(k + p_rk, mask=m_rk, other=0.0).to(tl.float32) * b_e
+            p_IXT = o_r[None, :] * (H * BT) + x_c[:, None]  # [BC, BC] transposed tile
+            b_dk_late += mm_fp32(tl.load(dP + p_IXT, mask=m_r[None, :], other=0.0), b_qe, PREC)
+            b_dk_late += mm_fp32(tl.load(dM + p_IXT, mask=m_r[None, :], other=0.0), b_ke, PREC)
+        b_dk_col += b_dk_late * tl.exp(b_Ge[None, :] - b_Gi)
 
     tl.store(dq + p_ik, (tl.load(dq_p + p_ik, mask=m_ik, other=0.0) + b_dq_row).to(dq.dtype.element_ty), mask=m_ik)
     b_dki = tl.load(dk_p + p_ik, mask=m_ik, other=0.0) + b_dk_row + b_dk_col
