@@ -36,10 +36,24 @@ def use_fla_autotune_cache() -> str:
     return cache
 
 
+def override_launch(launch: dict, text: str) -> None:
+    """Merge ``{"kernel": {"key": value}}`` (JSON) into ``LAUNCH``; unknown kernels or keys raise."""
+    for name, cfg in json.loads(text).items():
+        if name not in launch or not set(cfg) <= set(launch[name]):
+            raise SystemExit(f"--launch: unknown kernel or key in {name}: {cfg}; kernels and keys: "
+                             f"{ {k: sorted(v) for k, v in launch.items()} }")
+        launch[name].update({k: tuple(v) if isinstance(v, list) else v for k, v in cfg.items()})
+
+
 FIRST_CALL = """
-import time, torch, torch.nn.functional as F
+import os, sys, time, torch, torch.nn.functional as F
 t0 = time.time()
 {imp}
+if os.environ.get("K3LAB_BENCH_LAUNCH"):
+    sys.path.insert(0, {here!r})
+    from bench_kda import override_launch
+    from k3lab.kernels import kda
+    override_launch(kda.LAUNCH, os.environ["K3LAB_BENCH_LAUNCH"])
 B, T, H, D = 8, 4096, 16, 128
 q = F.normalize(torch.randn(B, T, H, D, device="cuda"), dim=-1).bfloat16().requires_grad_()
 k = F.normalize(torch.randn(B, T, H, D, device="cuda"), dim=-1).bfloat16().requires_grad_()
@@ -58,10 +72,11 @@ def first_call_seconds(which: str) -> tuple[float, float]:
     env = dict(os.environ)
     if which == "ours":
         env["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="triton-cold-")
-        code = FIRST_CALL.format(imp="from k3lab.kernels import kda_chunk", call="kda_chunk(q, k, v, g, beta)")
+        code = FIRST_CALL.format(imp="from k3lab.kernels import kda_chunk", call="kda_chunk(q, k, v, g, beta)",
+                                 here=HERE)
     else:
         code = FIRST_CALL.format(imp="from fla.ops.kda import chunk_kda",
-                                 call="chunk_kda(q, k, v, g, beta, safe_gate=True, lower_bound=-5.0)")
+                                 call="chunk_kda(q, k, v, g, beta, safe_gate=True, lower_bound=-5.0)", here=HERE)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
     if out.returncode != 0:
         raise RuntimeError(out.stderr[-3000:])
@@ -76,6 +91,9 @@ def main():
     parser.add_argument("--first-call", default="both", choices=("both", "ours", "none"),
                         help="time cold first calls of both kernels, ours only, or none")
     parser.add_argument("--skip-reference", action="store_true", help="do not time the torch reference")
+    parser.add_argument("--launch", default=None, metavar="JSON",
+                        help="override LAUNCH entries for this run (also in the first-call process), e.g. "
+                             "'{\"bwd_state\": {\"num_stages\": 3}}'")
     args = parser.parse_args()
     use_fla_autotune_cache()
 
@@ -86,6 +104,9 @@ def main():
 
     import fla
     from k3lab.kernels import kda
+    if args.launch:
+        override_launch(kda.LAUNCH, args.launch)
+        os.environ["K3LAB_BENCH_LAUNCH"] = args.launch  # read by the first-call process
     from k3lab.kernels import kda_chunk
     from k3lab.mixers.chunk import kda_chunk as torch_kda_chunk
 
@@ -198,7 +219,8 @@ def main():
                     best = (score, cand)
             kda.LAUNCH[name] = dict(best[1], num_stages=kda.LAUNCH[name]["num_stages"])
             print(f"tune {name:10s} BEST {best[1]}", flush=True)
-        results["launch"] = {k: str(v) for k, v in kda.LAUNCH.items()}
+
+    results["launch"] = {k: str(v) for k, v in kda.LAUNCH.items()}
 
     # per-kernel time of one forward+backward (torch profiler), ours and fla, at each shape
     for shape in SHAPES:

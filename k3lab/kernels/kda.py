@@ -64,7 +64,7 @@ LAUNCH = {
     "bwd_state": dict(BV=(64, 32, 16), min_programs=128, num_warps=4, num_stages=2),
     "bwd_wy_key": dict(BK=32, BV=64, num_warps=4, num_stages=2),
     "bwd_wy_value": dict(BV=64, num_warps=4, num_stages=1),
-    "bwd_intra": dict(BK=32, num_warps=2, num_stages=1),
+    "bwd_intra": dict(BK=32, num_warps=2, num_stages=1, diag_precision="tf32"),
     "bwd_dg": dict(BK=32, num_warps=2, num_stages=1),
     "decode": dict(BV=32, num_warps=4, num_stages=1),
 }
@@ -245,7 +245,8 @@ def kda_backward(q, k, v, g, beta, scale, initial_state, saved, do, dht, packing
     BKi = _block(K, LAUNCH["bwd_intra"]["BK"])
     kda_bwd_intra_kernel[(triton.cdiv(K, BKi) * (CHUNK // TILE), NT, B * H)](  # a chunk's programs side by side
         q, k, G, dP, dM, dq_p, dk_p, dG_p, dq, dk, T,  # adds the score terms to dG_p in place
-        H=H, K=K, BT=CHUNK, BC=TILE, BK=BKi, PREC=PREC, **chunks, **_launch("bwd_intra"))
+        H=H, K=K, BT=CHUNK, BC=TILE, BK=BKi, PREC=PREC,
+        PREC_DIAG=PREC if PREC == "ieee" else LAUNCH["bwd_intra"]["diag_precision"], **chunks, **_launch("bwd_intra"))
     BKg = _block(K, LAUNCH["bwd_dg"]["BK"])
     kda_bwd_dg_kernel[(triton.cdiv(K, BKg), NT, B * H)](
         dG_p, dg, T, H=H, K=K, BT=CHUNK, BK=BKg, **chunks, **_launch("bwd_dg"))

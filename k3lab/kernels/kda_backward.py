@@ -299,7 +299,7 @@ def kda_bwd_intra_kernel(
     cu_seqlens, chunk_indices,     # packed sequences (IS_VARLEN)
     H: tl.constexpr, K: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-    PREC: tl.constexpr, IS_VARLEN: tl.constexpr,
+    PREC: tl.constexpr, PREC_DIAG: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):
     """Gradients through ``P_ij = Σ_d q_id k_jd e^{G_id − G_jd}`` (j ≤ i) and ``M`` (same form with k
     for q, j < i) for one 16-token tile ``X`` (rows ``a .. e = a + 15``) of a chunk and one block of ``BK``
@@ -318,7 +318,8 @@ def kda_bwd_intra_kernel(
     - rows of a later tile ``I``, anchor ``e``: ``e^{G_i−G_e} ≤ 1`` (rows) times ``e^{G_e−G_j} ≤ 1``
       (this tile's columns, applied once at the end);
     - the diagonal tile, anchored at ``a`` like the forward: ``e^{G_i−G_a} ≤ 1`` and
-      ``e^{G_a−G_j} ≤ e^{15·5} = e^75`` (K3's gate ``g ≥ −5``).
+      ``e^{G_a−G_j} ≤ e^{15·5} = e^75`` (K3's gate ``g ≥ −5``); its four products run at ``PREC_DIAG``
+      (bf16 inputs: ``LAUNCH["bwd_intra"]["diag_precision"]``, fp32: exact).
 
     Per program (tile X of NC = 4): ``4 + 2·(NC − 1)`` products and ``3 + (NC − 1)`` exps of ``[16, BK]``,
     no scans; the loops over the other tiles only add independent products into accumulators.
@@ -361,9 +362,9 @@ def kda_bwd_intra_kernel(
     b_dPT = tl.load(dP + p_XXT, mask=m_i[None, :] & (o_c[:, None] <= o_c[None, :]), other=0.0)
     b_dMT = tl.load(dM + p_XXT, mask=m_i[None, :] & (o_c[:, None] < o_c[None, :]), other=0.0)
     b_kd = b_ki * b_kf
-    b_dq_row = mm_fp32(b_dP, b_kd, PREC)  # [BC, BK], every row term shares the row factor e^{G_i − G_a}
-    b_dk_row = mm_fp32(b_dM, b_kd, PREC)
-    b_dk_col = (mm_fp32(b_dPT, b_qi * b_rf, PREC) + mm_fp32(b_dMT, b_ki * b_rf, PREC)) * b_kf
+    b_dq_row = mm_fp32(b_dP, b_kd, PREC_DIAG)  # [BC, BK], every row term shares the row factor e^{G_i − G_a}
+    b_dk_row = mm_fp32(b_dM, b_kd, PREC_DIAG)
+    b_dk_col = (mm_fp32(b_dPT, b_qi * b_rf, PREC_DIAG) + mm_fp32(b_dMT, b_ki * b_rf, PREC_DIAG)) * b_kf
 
     # row side, keys of the earlier tiles J < X: k_j e^{G_a − G_j}
     for J in range(X):
