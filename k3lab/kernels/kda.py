@@ -48,8 +48,10 @@ ACTIVATION_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, tor
 
 # Launch parameters per kernel (H200, triton 3.6). "BV"/"BK": value/key block; the state kernels take
 # the widest value block that still gives at least `min_programs` programs, so long single sequences
-# (few B·H) still spread over the GPU's 132 SMs. bwd_state needs num_stages=2: with 1 it hit an illegal
-# memory access on the H200 (triton 3.6). bwd_intra and bwd_dg: `bench_kda.py --tune` on the H200
+# (few B·H) still spread over the GPU's 132 SMs. bwd_state: num_stages=1 hit an illegal memory access
+# on the H200 (triton 3.6); 3 stages (196 KB of shared memory) against 2, forward+backward ms at
+# B8 T4096 / B2 T16384 / B1 T65536: 6.180 / 6.743 / 15.481 vs 6.168 / 6.789 / 15.870 (fla's dhu kernel
+# also tunes to 3). bwd_wy_key 3 stages: 6.143 / 6.756 / 15.808. bwd_intra and bwd_dg: `bench_kda.py --tune` on the H200
 # (2026-11-29, forward+backward ms at B8 T4096 / B1 T65536): bwd_intra BK 32 with 2 warps 7.289 / 17.965,
 # 1 warp 7.427 / 18.297, 4 warps 7.811 / 19.013, BK 64 4 warps 7.577 / 18.533, BK 16 1 warp 7.751 / 18.879;
 # bwd_dg 2 warps 7.244 / 17.943, 4 warps 7.258 / 17.969.
@@ -61,8 +63,8 @@ LAUNCH = {
     "fwd_state": dict(BV=(64, 32, 16), min_programs=128, num_warps=4, num_stages=2),
     "fwd_output": dict(BK=64, BV=64, num_warps=4, num_stages=2),
     "bwd_dv_local": dict(BV=64, num_warps=4, num_stages=2),
-    "bwd_state": dict(BV=(64, 32, 16), min_programs=128, num_warps=4, num_stages=2),
-    "bwd_wy_key": dict(BK=32, BV=64, num_warps=4, num_stages=2),
+    "bwd_state": dict(BV=(64, 32, 16), min_programs=128, num_warps=4, num_stages=3),
+    "bwd_wy_key": dict(BK=32, BV=64, num_warps=4, num_stages=3),
     "bwd_wy_value": dict(BV=64, num_warps=4, num_stages=1),
     "bwd_intra": dict(BK=32, num_warps=2, num_stages=1, diag_precision="tf32"),
     "bwd_dg": dict(BK=32, num_warps=2, num_stages=1),
