@@ -190,9 +190,12 @@ def main():
     if args.tune:
         candidates = {
             "fwd_gate": [dict(BK=32, num_warps=4), dict(BK=16, num_warps=2)],
-            "fwd_scores": [dict(BK=32, num_warps=2), dict(BK=64, num_warps=2), dict(BK=64, num_warps=4)],
+            "fwd_scores": [dict(BK=32, num_warps=1), dict(BK=32, num_warps=2), dict(BK=64, num_warps=2)],
             "fwd_solve": [dict(num_warps=4), dict(num_warps=2)],
-            "fwd_wu": [dict(BK=64, BV=64, num_warps=4), dict(BK=32, BV=32, num_warps=4)],
+            "fwd_wu": [dict(BK=64, BV=64, per_chunk=True, solve=True, num_warps=4),
+                       dict(BK=64, BV=64, per_chunk=True, solve=False, num_warps=4),
+                       dict(BK=64, BV=64, per_chunk=False, solve=False, num_warps=4),
+                       dict(BK=64, BV=64, per_chunk=True, solve=True, num_warps=8)],
             "fwd_state": [dict(BV=(64, 32, 16), min_programs=128, num_warps=4),
                           dict(BV=(32, 16), min_programs=256, num_warps=4)],
             "fwd_output": [dict(BK=64, BV=64, num_warps=4), dict(BK=64, BV=64, num_warps=8)],

@@ -54,12 +54,16 @@ ACTIVATION_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, tor
 # also tunes to 3). bwd_wy_key 3 stages: 6.143 / 6.756 / 15.808. bwd_intra and bwd_dg: `bench_kda.py --tune` on the H200
 # (2026-11-29, forward+backward ms at B8 T4096 / B1 T65536): bwd_intra BK 32 with 2 warps 7.289 / 17.965,
 # 1 warp 7.427 / 18.297, 4 warps 7.811 / 19.013, BK 64 4 warps 7.577 / 18.533, BK 16 1 warp 7.751 / 18.879;
-# bwd_dg 2 warps 7.244 / 17.943, 4 warps 7.258 / 17.969.
+# bwd_dg 2 warps 7.244 / 17.943, 4 warps 7.258 / 17.969. fwd_scores (per-tile program, 16-row tiles) and
+# fwd_wu (per_chunk: one program per chunk loops over its key then value blocks; False: one per block) are
+# untimed since their rewrite: 1 warp follows fla's autotune of its per-tile diagonal kernel on the H200
+# (1 warp 0.29 ms, 2 warps 0.36, 4 warps 0.56), per_chunk with 2 stages its recompute_w_u (4 warps, 2 stages).
+# fwd_wu solve=True (needs per_chunk) folds fwd_solve into fwd_wu, which is then not launched.
 LAUNCH = {
     "fwd_gate": dict(BK=32, num_warps=4, num_stages=1),
-    "fwd_scores": dict(BK=32, num_warps=2, num_stages=1),
+    "fwd_scores": dict(BK=32, num_warps=1, num_stages=1),
     "fwd_solve": dict(num_warps=4, num_stages=1),
-    "fwd_wu": dict(BK=64, BV=64, num_warps=4, num_stages=1),
+    "fwd_wu": dict(BK=64, BV=64, per_chunk=True, solve=True, num_warps=4, num_stages=2),
     "fwd_state": dict(BV=(64, 32, 16), min_programs=128, num_warps=4, num_stages=2),
     "fwd_output": dict(BK=64, BV=64, num_warps=4, num_stages=2),
     "bwd_dv_local": dict(BV=64, num_warps=4, num_stages=2),
@@ -181,20 +185,25 @@ def kda_forward(q, k, v, g, beta, scale, initial_state, output_final_state, pack
     u = torch.empty_like(v, dtype=torch.float32)  # fp32: Ṽ = U − W S cancels; U in bf16 doubled the error
     gl = torch.empty(B, NT, H, K, **f32)  # G_C per chunk
     Aqk, Akk_inv, Mkk = (torch.empty(B, T, H, CHUNK, **f32) for _ in range(3))
-    G = torch.empty(B, T, H, K, **f32)  # in-chunk cumulative decay (saved: the backward's decays)
+    G2 = torch.empty(B, T, H, K, **f32)  # in-chunk cumulative decay in log2 units (log₂(e)·G), saved
     BKg = _block(K, LAUNCH["fwd_gate"]["BK"])
     kda_fwd_gate_kernel[(triton.cdiv(K, BKg), NT, B * H)](
-        q, k, g, G, qg, kg, gl, scale, T, H=H, K=K, BT=CHUNK, BK=BKg, **chunks, **_launch("fwd_gate"))
+        q, k, g, G2, qg, kg, gl, scale, T, H=H, K=K, BT=CHUNK, BK=BKg, **chunks, **_launch("fwd_gate"))
     kda_fwd_scores_kernel[(NT, CHUNK // TILE, B * H)](
-        q, k, G, beta, Aqk, Mkk, Akk_inv, scale, T,
+        q, k, G2, beta, Aqk, Mkk, Akk_inv, scale, T,
         H=H, K=K, BT=CHUNK, BC=TILE, BK=_block(K, LAUNCH["fwd_scores"]["BK"]), PREC=PREC, **chunks,
         **_launch("fwd_scores"))
-    kda_fwd_solve_kernel[(NT, B * H)](
-        beta, Mkk, Akk_inv, T, H=H, BT=CHUNK, BC=TILE, PREC=PREC, **chunks, **_launch("fwd_solve"))
-    BKw, BVw = _block(K, LAUNCH["fwd_wu"]["BK"]), _block(V, LAUNCH["fwd_wu"]["BV"])
-    kda_fwd_wu_kernel[(triton.cdiv(K, BKw) + triton.cdiv(V, BVw), NT, B * H)](
-        k, v, G, beta, Akk_inv, w, u, T, H=H, K=K, V=V, BT=CHUNK, BK=BKw, BV=BVw, PREC=PREC, **chunks,
-        **_launch("fwd_wu"))
+    wu = LAUNCH["fwd_wu"]
+    solve_in_wu = wu["per_chunk"] and wu["solve"]  # A⁻¹ inside the one wu program of each chunk
+    if not solve_in_wu:
+        kda_fwd_solve_kernel[(NT, B * H)](
+            beta, Mkk, Akk_inv, T, H=H, BT=CHUNK, BC=TILE, PREC=PREC, **chunks, **_launch("fwd_solve"))
+    BKw, BVw = _block(K, wu["BK"]), _block(V, wu["BV"])
+    n_blocks = triton.cdiv(K, BKw) + triton.cdiv(V, BVw)  # key blocks then value blocks of a chunk
+    per_program = n_blocks if wu["per_chunk"] else 1
+    kda_fwd_wu_kernel[(triton.cdiv(n_blocks, per_program), NT, B * H)](
+        k, v, G2, beta, Mkk, Akk_inv, w, u, T, H=H, K=K, V=V, BT=CHUNK, BC=TILE, BK=BKw, BV=BVw,
+        BLOCKS=per_program, SOLVE=solve_in_wu, PREC=PREC, **chunks, **_launch("fwd_wu"))
     hs = q.new_empty(B, NT, H, K, V)  # state entering each chunk
     v_new = torch.empty_like(v)
     final_state = torch.empty(N, H, K, V, **f32) if output_final_state else None
@@ -208,12 +217,12 @@ def kda_forward(q, k, v, g, beta, scale, initial_state, output_final_state, pack
     kda_fwd_output_kernel[(NT, triton.cdiv(V, BV), B * H)](
         qg, hs, Aqk, v_new, o, T, H=H, K=K, V=V, BT=CHUNK, BK=_block(K, LAUNCH["fwd_output"]["BK"]), BV=BV,
         DT=DT, PREC=PREC, **chunks, **_launch("fwd_output"))
-    return o, final_state, (G, qg, kg, w, gl, Aqk, Akk_inv, Mkk, hs, v_new)
+    return o, final_state, (G2, qg, kg, w, gl, Aqk, Akk_inv, Mkk, hs, v_new)
 
 
 def kda_backward(q, k, v, g, beta, scale, initial_state, saved, do, dht, packing=None):
     """Run the six backward kernels; returns ``(dq, dk, dv, dg, dbeta, dh0 or None)``."""
-    G, qg, kg, w, gl, Aqk, Akk_inv, Mkk, hs, v_new = saved
+    G2, qg, kg, w, gl, Aqk, Akk_inv, Mkk, hs, v_new = saved
     B, T, H, K, V, NT, BK, DT, PREC = _sizes(q, v, packing)
     chunks, seqs, N = _packing_args(packing, B)
     f32 = dict(dtype=torch.float32, device=q.device)
@@ -235,7 +244,7 @@ def kda_backward(q, k, v, g, beta, scale, initial_state, saved, do, dht, packing
     NK = triton.cdiv(K, BKw)
     dbeta_p = torch.empty(B, T, H, NK, **f32)  # dβ of each key block
     kda_bwd_wy_key_kernel[(NK, NT, B * H)](
-        q, k, G, gl, beta, Akk_inv, hs, dhs, do, v_new, dv_new, dq_p, dk_p, dG_p, dbeta_p, scale, T,
+        q, k, G2, gl, beta, Akk_inv, hs, dhs, do, v_new, dv_new, dq_p, dk_p, dG_p, dbeta_p, scale, T,
         H=H, K=K, V=V, BT=CHUNK, BK=BKw, BV=_block(V, cfg["BV"]), DT=DT, PREC=PREC, **chunks,
         **_launch("bwd_wy_key"))
     dv, dbeta = torch.empty_like(v), torch.empty_like(beta)
@@ -246,7 +255,7 @@ def kda_backward(q, k, v, g, beta, scale, initial_state, saved, do, dht, packing
     dq, dk, dg = torch.empty_like(q), torch.empty_like(k), torch.empty_like(g)
     BKi = _block(K, LAUNCH["bwd_intra"]["BK"])
     kda_bwd_intra_kernel[(triton.cdiv(K, BKi) * (CHUNK // TILE), NT, B * H)](  # a chunk's programs side by side
-        q, k, G, dP, dM, dq_p, dk_p, dG_p, dq, dk, T,  # adds the score terms to dG_p in place
+        q, k, G2, dP, dM, dq_p, dk_p, dG_p, dq, dk, T,  # adds the score terms to dG_p in place
         H=H, K=K, BT=CHUNK, BC=TILE, BK=BKi, PREC=PREC,
         PREC_DIAG=PREC if PREC == "ieee" else LAUNCH["bwd_intra"]["diag_precision"], **chunks, **_launch("bwd_intra"))
     BKg = _block(K, LAUNCH["bwd_dg"]["BK"])

@@ -1,8 +1,9 @@
 """Triton backward kernels of chunkwise KDA (K3 spec §2.3); notation as in :mod:`k3lab.kernels.kda_forward`.
 
 The forward saves the state entering every chunk (``hs``), the pseudo-values ``Ṽ``, ``A⁻¹``, ``M``,
-the scaled scores ``Aqk = scale·P``, the in-chunk cumulative decay ``G`` and ``qg``, ``kg``, ``W``,
-``G_C``: the backward recomputes nothing sequential and runs no scan but the final one for ``dg``. With ``dS`` the gradient of the state *leaving* a chunk, and ``dO``:
+the scaled scores ``Aqk = scale·P``, the in-chunk cumulative decay ``G`` (as ``G₂ = log₂(e)·G``) and
+``qg``, ``kg``, ``W``, ``G_C``: the backward recomputes nothing sequential and runs no scan but the final
+one for ``dg``. With ``dS`` the gradient of the state *leaving* a chunk, and ``dO``:
 
 1. :func:`kda_bwd_dv_local_kernel`, grid (chunks, B·H): the chunk-local part of the output's gradient,
    ``dP = scale·(dO Ṽᵀ)`` (lower, to a scratch buffer) and ``dṼ_local = Aqkᵀ dO``, in parallel over chunks.
@@ -40,7 +41,7 @@ sequences, :func:`kda_bwd_state_kernel` over the N sequences; ``dht`` and ``dh0`
 import triton
 import triton.language as tl
 
-from k3lab.kernels.kda_forward import mm, mm_fp32, packed_chunk_span, packed_sequence_span
+from k3lab.kernels.kda_forward import LOG2E, mm, mm_fp32, packed_chunk_span, packed_sequence_span
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -146,7 +147,7 @@ def kda_bwd_state_kernel(
 
 @triton.jit(do_not_specialize=["T"])
 def kda_bwd_wy_key_kernel(
-    q, k, G, gl, beta, Akk_inv, hs, dhs, do, v_new, dv_new,   # inputs
+    q, k, G2, gl, beta, Akk_inv, hs, dhs, do, v_new, dv_new,   # inputs (G2 = log₂(e)·G, fp32)
     dq_p, dk_p, dG_p, dbeta_p,                           # outputs (dbeta_p [B, T, H, NK] fp32)
     scale, T,
     cu_seqlens, chunk_indices,                           # packed sequences (IS_VARLEN)
@@ -169,7 +170,8 @@ def kda_bwd_wy_key_kernel(
         dG_C += Γ_C ⊙ Σ_v S ⊙ dS' + Σ_r kg ⊙ dK̃     (on the last valid row)
 
     Per program: three ``[BT, V] × [V, BK]`` products in DT, one ``[BT, BT] × [BT, BK]`` in tf32; the
-    decays come from the forward's in-chunk cumsum ``G`` and ``G_C`` (no scans).
+    decays are ``exp2`` of the forward's in-chunk cumsum in log2 units, ``G₂ = log₂(e)·G``, and of ``G_C``
+    (no scans).
     """
     i_k, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     NK = tl.num_programs(0)
@@ -180,7 +182,7 @@ def kda_bwd_wy_key_kernel(
     if IS_VARLEN:
         bos, T = packed_chunk_span(i_t, cu_seqlens, chunk_indices, BT)
     seq = bos * H + i_h
-    q, k, G, dq_p, dk_p, dG_p = q + seq * K, k + seq * K, G + seq * K, dq_p + seq * K, dk_p + seq * K, dG_p + seq * K
+    q, k, G2, dq_p, dk_p, dG_p = q + seq * K, k + seq * K, G2 + seq * K, dq_p + seq * K, dk_p + seq * K, dG_p + seq * K
     do, v_new, dv_new = do + seq * V, v_new + seq * V, dv_new + seq * V
     beta, dbeta_p, Akk_inv = beta + seq, dbeta_p + seq * NK, Akk_inv + seq * BT
     rows = tl.arange(0, BT)
@@ -214,17 +216,17 @@ def kda_bwd_wy_key_kernel(
     b_beta = tl.load(beta + o_t * H, mask=m_t, other=0.0).to(tl.float32)
     b_q = tl.load(q + p_tk, mask=m_tk, other=0.0).to(tl.float32)
     b_k = tl.load(k + p_tk, mask=m_tk, other=0.0).to(tl.float32)
-    b_G = tl.load(G + p_tk, mask=m_tk, other=0.0)  # [BT, BK] in-chunk cumulative decay
-    b_GC = tl.load(gl + p_chunk * K + o_k, mask=m_k, other=0.0)  # [BK] G_C: G at the last valid row
-    b_gam = tl.exp(b_G)  # Γ
-    b_dec = tl.exp(b_GC[None, :] - b_G)  # exp(G_C − G) ≤ 1
+    b_G2 = tl.load(G2 + p_tk, mask=m_tk, other=0.0)  # [BT, BK] log₂(e)·G
+    b_GC2 = tl.load(gl + p_chunk * K + o_k, mask=m_k, other=0.0) * LOG2E  # [BK] log₂(e)·G_C (G at the last row)
+    b_gam = tl.exp2(b_G2)  # Γ
+    b_dec = tl.exp2(b_GC2[None, :] - b_G2)  # exp(G_C − G) ≤ 1
     b_kg = b_k * b_dec
     b_Ai = tl.load(Akk_inv + o_t[:, None] * (H * BT) + rows[None, :], mask=m_t[:, None], other=0.0)
     b_dkbg = -mm_fp32(tl.trans(b_Ai), b_dw, PREC)  # d(βΓK) = A⁻ᵀ dW
     b_dq = scale * b_gam * b_dqg
     b_dk = b_dec * b_dkt + b_beta[:, None] * b_gam * b_dkbg
     b_dG = b_q * b_dq - b_kg * b_dkt + b_beta[:, None] * b_gam * b_k * b_dkbg
-    b_dGC = tl.exp(b_GC) * b_hdh + tl.sum(b_kg * b_dkt, 0)
+    b_dGC = tl.exp2(b_GC2) * b_hdh + tl.sum(b_kg * b_dkt, 0)
     b_dG += tl.where(rows[:, None] == last, b_dGC[None, :], 0.0)
     tl.store(dq_p + p_tk, b_dq, mask=m_tk)
     tl.store(dk_p + p_tk, b_dk, mask=m_tk)
@@ -292,7 +294,7 @@ def kda_bwd_wy_value_kernel(
 
 @triton.jit(do_not_specialize=["T"])
 def kda_bwd_intra_kernel(
-    q, k, G, dP, dM, dq_p, dk_p,   # inputs (G: the forward's in-chunk cumulative decay, fp32)
+    q, k, G2, dP, dM, dq_p, dk_p,  # inputs (G2: the forward's in-chunk cumulative decay, log₂(e)·G, fp32)
     dG_p,                          # in: the chunk-level dG; out: dG with the score terms added (fp32)
     dq, dk,                        # outputs
     T,
@@ -311,7 +313,8 @@ def kda_bwd_intra_kernel(
                                                         cumsum, is :func:`kda_bwd_dg_kernel`)
 
     Every pair of tiles is one ``[16, 16] × [16, BK]`` tensor-core product, the decay split at an anchor
-    row, as differences of the forward's fp32 in-chunk cumsum ``G`` (no scans here):
+    row, as differences of the forward's fp32 in-chunk cumsum (in log2 units, ``G₂ = log₂(e)·G``, so each
+    factor is one ``exp2``; no scans here):
 
     - keys of an earlier tile ``J``, anchor ``a``: ``e^{G_i−G_a} ≤ 1`` (rows, applied once at the end)
       times ``e^{G_a−G_j} ≤ 1`` (keys);
@@ -336,7 +339,7 @@ def kda_bwd_intra_kernel(
     if a >= T:
         return
     seq = bos * H + i_h
-    q, k, G, dq_p, dk_p, dG_p = q + seq * K, k + seq * K, G + seq * K, dq_p + seq * K, dk_p + seq * K, dG_p + seq * K
+    q, k, G2, dq_p, dk_p, dG_p = q + seq * K, k + seq * K, G2 + seq * K, dq_p + seq * K, dk_p + seq * K, dG_p + seq * K
     dq, dk, dP, dM = dq + seq * K, dk + seq * K, dP + seq * BT, dM + seq * BT
     o_k = i_k * BK + tl.arange(0, BK)
     m_k = o_k < K
@@ -346,13 +349,13 @@ def kda_bwd_intra_kernel(
     m_i = o_i < T
     m_ik = m_i[:, None] & m_k[None, :]
     p_ik = o_i[:, None] * (H * K) + o_k[None, :]
-    b_Gi = tl.load(G + p_ik, mask=m_ik, other=0.0)  # [BC, BK]
+    b_Gi = tl.load(G2 + p_ik, mask=m_ik, other=0.0)  # [BC, BK] log₂(e)·G_i
     b_qi = tl.load(q + p_ik, mask=m_ik, other=0.0).to(tl.float32)
     b_ki = tl.load(k + p_ik, mask=m_ik, other=0.0).to(tl.float32)
-    b_Ga = tl.load(G + a * (H * K) + o_k, mask=m_k, other=0.0)  # [BK] G at the anchor a
-    b_li = tl.where(m_ik, b_Gi - b_Ga[None, :], 0.0)  # G_i − G_a ∈ (−75, 0]
-    b_rf = tl.exp(b_li)  # e^{G_i − G_a} ≤ 1
-    b_kf = tl.exp(-b_li)  # e^{G_a − G_j} ≤ e^75
+    b_Ga = tl.load(G2 + a * (H * K) + o_k, mask=m_k, other=0.0)  # [BK] at the anchor a
+    b_li = tl.where(m_ik, b_Gi - b_Ga[None, :], 0.0)  # log₂(e)·(G_i − G_a), G_i − G_a ∈ (−75, 0]
+    b_rf = tl.exp2(b_li)  # e^{G_i − G_a} ≤ 1
+    b_kf = tl.exp2(-b_li)  # e^{G_a − G_j} ≤ e^75
 
     # diagonal tile: dP lower, dM strictly lower, and their transposes
     p_XX = o_i[:, None] * (H * BT) + x_c[None, :]
@@ -370,7 +373,7 @@ def kda_bwd_intra_kernel(
     for J in range(X):
         p_jk = (t0 + J * BC + o_c)[:, None] * (H * K) + o_k[None, :]  # rows < a < T
         b_kt = tl.load(k + p_jk, mask=m_k[None, :], other=0.0).to(tl.float32)
-        b_kt *= tl.exp(b_Ga[None, :] - tl.load(G + p_jk, mask=m_k[None, :], other=0.0))  # ≤ 1
+        b_kt *= tl.exp2(b_Ga[None, :] - tl.load(G2 + p_jk, mask=m_k[None, :], other=0.0))  # ≤ 1
         p_XJ = o_i[:, None] * (H * BT) + (J * BC + o_c)[None, :]
         b_dq_row += mm_fp32(tl.load(dP + p_XJ, mask=m_i[:, None], other=0.0), b_kt, PREC)
         b_dk_row += mm_fp32(tl.load(dM + p_XJ, mask=m_i[:, None], other=0.0), b_kt, PREC)
@@ -380,20 +383,20 @@ def kda_bwd_intra_kernel(
     # column side, rows of the later tiles I > X (they exist only if all of tile X's rows are valid):
     # (q_i, k_i) e^{G_i − G_e}, then this tile's columns e^{G_e − G_j}
     if a + BC < T:
-        b_Ge = tl.load(G + (a + BC - 1) * (H * K) + o_k, mask=m_k, other=0.0)  # [BK] G at the anchor e
+        b_Ge = tl.load(G2 + (a + BC - 1) * (H * K) + o_k, mask=m_k, other=0.0)  # [BK] at the anchor e
         b_dk_late = tl.zeros([BC, BK], dtype=tl.float32)
         for I in range(X + 1, NC):
             o_r = t0 + I * BC + o_c
             m_r = o_r < T
             m_rk = m_r[:, None] & m_k[None, :]
             p_rk = o_r[:, None] * (H * K) + o_k[None, :]
-            b_e = tl.where(m_rk, tl.exp(tl.load(G + p_rk, mask=m_rk, other=0.0) - b_Ge[None, :]), 0.0)  # ≤ 1
+            b_e = tl.where(m_rk, tl.exp2(tl.load(G2 + p_rk, mask=m_rk, other=0.0) - b_Ge[None, :]), 0.0)  # ≤ 1
             b_qe = tl.load(q + p_rk, mask=m_rk, other=0.0).to(tl.float32) * b_e
             b_ke = tl.load(k + p_rk, mask=m_rk, other=0.0).to(tl.float32) * b_e
             p_IXT = o_r[None, :] * (H * BT) + x_c[:, None]  # [BC, BC] transposed tile
             b_dk_late += mm_fp32(tl.load(dP + p_IXT, mask=m_r[None, :], other=0.0), b_qe, PREC)
             b_dk_late += mm_fp32(tl.load(dM + p_IXT, mask=m_r[None, :], other=0.0), b_ke, PREC)
-        b_dk_col += b_dk_late * tl.exp(b_Ge[None, :] - b_Gi)
+        b_dk_col += b_dk_late * tl.exp2(b_Ge[None, :] - b_Gi)
 
     tl.store(dq + p_ik, (tl.load(dq_p + p_ik, mask=m_ik, other=0.0) + b_dq_row).to(dq.dtype.element_ty), mask=m_ik)
     b_dki = tl.load(dk_p + p_ik, mask=m_ik, other=0.0) + b_dk_row + b_dk_col
