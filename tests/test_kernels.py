@@ -82,10 +82,11 @@ def check_against_reference(B, T, H, K, V, dtype, seed, with_state=True, lengths
 
 @pytest.mark.skipif(KERNELS_RUN_HERE, reason="the kernel tests run directly here")
 def test_interpreter_suite():
-    """Run this file's kernel tests on CPU under TRITON_INTERPRET=1 in a fresh interpreter."""
+    """Run this file's kernel tests on CPU under TRITON_INTERPRET=1 in a fresh interpreter; numpy's
+    overflow warnings are errors there, so no kernel computes an exponent that overflows (even if masked)."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-o", "addopts=", "-p", "no:cacheprovider",
-           "-m", "not gpu", "-k", "not interpreter_suite"]
+           "-m", "not gpu", "-k", "not interpreter_suite", "-W", "error:overflow encountered:RuntimeWarning"]
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
 
@@ -216,6 +217,20 @@ def test_chunk_training_path_wide_state_blocks(monkeypatch):
     assert_close("o", o_ref, o, TOL[torch.float32])
     for name, got, want in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), leaves, ref):
         assert_close(name, want.grad, got.grad, TOL[torch.float32])
+
+
+@needs_kernels
+@pytest.mark.parametrize("wu", [dict(per_chunk=True, solve=True), dict(per_chunk=False, solve=False)],
+                         ids=["solve_in_wu", "wu_per_block"])
+@pytest.mark.parametrize("lengths", [None, [37, 64, 27]], ids=["rows", "packed"])
+def test_chunk_other_wu_layouts(monkeypatch, wu, lengths):
+    """The two other layouts of ``kda_fwd_wu_kernel`` that ``LAUNCH["fwd_wu"]`` selects (timed slower on
+    the H200, kernels/RESULTS.md): the UT solve folded into it, and one program per key/value block."""
+    monkeypatch.setitem(kernels_kda.LAUNCH, "fwd_wu", dict(kernels_kda.LAUNCH["fwd_wu"], **wu))
+    if lengths is None:
+        check_against_reference(2, 80, 2, 32, 32, torch.float32, seed=21)
+    else:
+        check_against_reference(1, sum(lengths), 2, 32, 32, torch.float32, seed=22, lengths=lengths)
 
 
 @needs_kernels

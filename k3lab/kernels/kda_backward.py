@@ -390,7 +390,7 @@ def kda_bwd_intra_kernel(
             m_r = o_r < T
             m_rk = m_r[:, None] & m_k[None, :]
             p_rk = o_r[:, None] * (H * K) + o_k[None, :]
-            b_e = tl.where(m_rk, tl.exp2(tl.load(G2 + p_rk, mask=m_rk, other=0.0) - b_Ge[None, :]), 0.0)  # ≤ 1
+            b_e = tl.exp2(tl.where(m_rk, tl.load(G2 + p_rk, mask=m_rk, other=0.0) - b_Ge[None, :], -float("inf")))
             b_qe = tl.load(q + p_rk, mask=m_rk, other=0.0).to(tl.float32) * b_e
             b_ke = tl.load(k + p_rk, mask=m_rk, other=0.0).to(tl.float32) * b_e
             p_IXT = o_r[None, :] * (H * BT) + x_c[:, None]  # [BC, BC] transposed tile

@@ -72,6 +72,8 @@ def mm_fp32(a, b, PREC: tl.constexpr):
     """Product of operands computed in fp32 inside a kernel (gate-rescaled q/k, A⁻¹, scores, their
     gradients): tf32 tensor cores on the bf16 path (3 more mantissa bits than bf16; rounding these to
     bf16 made the bf16 error ~5x larger), exact fp32 on the fp32 path."""
+    if INTERPRET:  # the interpreter multiplies in fp32 whatever the precision, and knows no "bf16x3"
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PREC)
 
 
