@@ -9,13 +9,12 @@ for tests and notebooks, on CPU under ``TRITON_INTERPRET=1`` (set before importi
 
 Packed sequences as in fla: with ``cu_seqlens [N + 1]`` the inputs are ``[1, T, ...]`` holding N
 sequences along T, each cut into its own chunks, with states ``[N, H, K, V]``. The host builds a chunk
-index (:func:`pack_chunks`, fla's ``prepare_chunk_indices``) and the kernels take ``IS_VARLEN``; without
-``cu_seqlens`` they compile to the same SASS as before packing existed (compared with ``cuobjdump -sass``,
-see ``kernels/RESULTS.md``).
+index (:func:`pack_chunks`, fla's ``prepare_chunk_indices``) and the kernels take ``IS_VARLEN``
+(a constexpr: without ``cu_seqlens`` the packed branches compile away).
 
-Launch parameters are fixed — chosen from per-kernel timings on an H200 (``kernels/RESULTS.md``;
+Launch parameters are fixed — chosen from A/B timings on an H200 (``kernels/RESULTS.md``;
 ``kernels/bench_kda.py --tune`` re-times the candidates) and written into :data:`LAUNCH` — so the first
-call compiles and runs, with no autotuning.
+call compiles and runs, with no autotuning (12 s for forward+backward on the H200).
 
 Size limits: token offsets inside the kernels are int32, so ``T·H·max(K, V, 64) < 2³¹``; batch rows times
 heads (packed: sequences times heads) and the number of chunks are CUDA grid axes, at most 65535.
@@ -46,19 +45,15 @@ GRID_MAX = 65535  # CUDA's limit on grid axes 1 and 2
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # triton reads it when the kernels are decorated
 ACTIVATION_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
-# Launch parameters per kernel (H200, triton 3.6). "BV"/"BK": value/key block; the state kernels take
-# the widest value block that still gives at least `min_programs` programs, so long single sequences
-# (few B·H) still spread over the GPU's 132 SMs. bwd_state: num_stages=1 hit an illegal memory access
-# on the H200 (triton 3.6); 3 stages (196 KB of shared memory) against 2, forward+backward ms at
-# B8 T4096 / B2 T16384 / B1 T65536: 6.180 / 6.743 / 15.481 vs 6.168 / 6.789 / 15.870 (fla's dhu kernel
-# also tunes to 3). bwd_wy_key 3 stages: 6.143 / 6.756 / 15.808. bwd_intra and bwd_dg: `bench_kda.py --tune` on the H200
-# (2026-11-29, forward+backward ms at B8 T4096 / B1 T65536): bwd_intra BK 32 with 2 warps 7.289 / 17.965,
-# 1 warp 7.427 / 18.297, 4 warps 7.811 / 19.013, BK 64 4 warps 7.577 / 18.533, BK 16 1 warp 7.751 / 18.879;
-# bwd_dg 2 warps 7.244 / 17.943, 4 warps 7.258 / 17.969. fwd_scores (per-tile program, 16-row tiles) and
-# fwd_wu (per_chunk: one program per chunk loops over its key then value blocks; False: one per block) are
-# untimed since their rewrite: 1 warp follows fla's autotune of its per-tile diagonal kernel on the H200
-# (1 warp 0.29 ms, 2 warps 0.36, 4 warps 0.56), per_chunk with 2 stages its recompute_w_u (4 warps, 2 stages).
-# fwd_wu solve=True (needs per_chunk) folds fwd_solve into fwd_wu, which is then not launched.
+# Launch parameters per kernel, chosen by A/B timings on an H200 (triton 3.6; the timings and the
+# alternatives are in kernels/RESULTS.md, "Launch parameters"; `kernels/bench_kda.py --tune` re-times
+# candidates, `--launch` overrides entries). "BV"/"BK": value/key block; the state kernels take the widest
+# value block that still gives at least `min_programs` programs, so long single sequences (few B·H) still
+# spread over the GPU's 132 SMs (bwd_state with num_stages=1 hit an illegal memory access on triton 3.6).
+# fwd_wu: `per_chunk` runs one program per chunk looping over its key then value blocks (else one per
+# block); `solve` (needs per_chunk) folds kda_fwd_solve_kernel into it. bwd_intra: `diag_precision` is the
+# dot precision of the diagonal-tile products on the bf16 path (fp32 inputs: exact) — bf16x3 rather than
+# tf32 cut the bf16 dg error from 8.9e-3 to 1.8e-3 for ≈1% of forward+backward time.
 LAUNCH = {
     "fwd_gate": dict(BK=32, num_warps=4, num_stages=1),
     "fwd_scores": dict(BK=32, num_warps=1, num_stages=1),
@@ -176,7 +171,7 @@ def _sizes(q: Tensor, v: Tensor, packing: Packing | None):
 
 
 def kda_forward(q, k, v, g, beta, scale, initial_state, output_final_state, packing=None):
-    """Run the six forward kernels; returns ``(o, final_state or None, saved)`` with ``saved`` the
+    """Run the forward kernels (six; five when ``LAUNCH["fwd_wu"]`` folds the solve in); returns ``(o, final_state or None, saved)`` with ``saved`` the
     tensors the backward reads (nothing sequential is recomputed there)."""
     B, T, H, K, V, NT, BK, DT, PREC = _sizes(q, v, packing)
     chunks, seqs, N = _packing_args(packing, B)

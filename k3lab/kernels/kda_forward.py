@@ -15,7 +15,7 @@ log-decay (per key channel), ``Γ_r = exp(G_r)``, and ``S`` the state entering t
 Six kernels:
 
 1. :func:`kda_fwd_gate_kernel`, grid (key blocks, chunks, B·H): the in-chunk cumulative decay ``G``
-   (fp32 scratch in log2 units, ``G₂ = log₂(e)·G``), ``qg = scale Γ ⊙ Q``, ``kg = exp(G_C − G) ⊙ K`` and
+   (fp32 in log2 units, ``G₂ = log₂(e)·G``, also saved for the backward), ``qg = scale Γ ⊙ Q``, ``kg = exp(G_C − G) ⊙ K`` and
    ``G_C``.
 2. :func:`kda_fwd_scores_kernel`, grid (chunks, 16-token tiles, B·H): one tile's rows of the score
    matrices ``P`` and ``M``, and the inverse of its 16×16 diagonal block of ``I + Diag(β) M``.
@@ -33,8 +33,8 @@ masked). The chunk axis of a grid then runs over all chunks of all sequences, ``
 (n, chunk of n)``, and the state kernels' grid over (V blocks, N·H), chunk after chunk of their own
 sequence (its first chunk is ``chunk_offsets[n]``); states never cross a sequence boundary.
 :func:`packed_chunk_span` and :func:`packed_sequence_span` give a program the first token and the length
-of its sequence; without ``IS_VARLEN`` these are the batch row's ``b·T`` and ``T``, and that path compiles
-to the same code as before packing existed.
+of its sequence; without ``IS_VARLEN`` these are the batch row's ``b·T`` and ``T`` (the packed branches
+compile away).
 
 **Why the bounded gate matters here (the e^80 argument).** ``exp(G_i − G_j)`` cannot be split as
 ``exp(G_i) · exp(−G_j)`` over a whole chunk: with ``g`` down to −5, ``−G_j`` reaches 315 and
@@ -139,7 +139,7 @@ def invert_unit_lower_16(L, BC: tl.constexpr):
 @triton.jit(do_not_specialize=["T"])
 def kda_fwd_gate_kernel(
     q, k, g,            # inputs [B, T, H, K]
-    G2, qg, kg, gl,     # outputs: G2 = log₂(e)·G fp32 (scratch for the next kernels), qg, kg [B, T, H, K]; gl [B, NT, H, K]
+    G2, qg, kg, gl,     # outputs: G2 = log₂(e)·G fp32 (read by scores, wu and the backward), qg, kg [B, T, H, K]; gl [B, NT, H, K]
     scale, T,
     cu_seqlens, chunk_indices,  # packed sequences (IS_VARLEN): [N + 1] int64, [NT, 2] int32
     H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr,
