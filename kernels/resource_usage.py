@@ -113,6 +113,9 @@ def sass_counts(cubin: bytes) -> dict:
     return groups
 
 
+HOPPER_MAX_SHARED = 232448  # bytes of shared memory one block may use on sm_90 (227 KB)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
@@ -132,6 +135,8 @@ def main():
         if args.sass:
             counts = sass_counts(kernel.asm["cubin"])
             line += "".join(f"{counts[e]:>9}" for e in extra)
+        if kernel.metadata.shared > HOPPER_MAX_SHARED:
+            line += f"   SHARED > {HOPPER_MAX_SHARED} B: will not launch on an H100/H200"
         print(line, flush=True)
 
 

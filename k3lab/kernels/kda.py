@@ -49,7 +49,8 @@ ACTIVATION_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, tor
 # alternatives are in kernels/RESULTS.md, "Launch parameters"; `kernels/bench_kda.py --tune` re-times
 # candidates, `--launch` overrides entries). "BV"/"BK": value/key block; the state kernels take the widest
 # value block that still gives at least `min_programs` programs, so long single sequences (few B·H) still
-# spread over the GPU's 132 SMs (bwd_state with num_stages=1 hit an illegal memory access on triton 3.6).
+# spread over the GPU's 132 SMs (bwd_state with num_stages=1 hit an illegal memory access on triton 3.6;
+# with 3 stages its fp32 compile needs 256 KB of shared memory, past the H200's 227 KB: fp32 takes 2).
 # fwd_wu: `per_chunk` runs one program per chunk looping over its key then value blocks (else one per
 # block); `solve` (needs per_chunk) folds kda_fwd_solve_kernel into it. bwd_intra: `diag_precision` is the
 # dot precision of the diagonal-tile products on the bf16 path (fp32 inputs: exact) — bf16x3 rather than
@@ -62,7 +63,7 @@ LAUNCH = {
     "fwd_state": dict(BV=(64, 32, 16), min_programs=128, num_warps=4, num_stages=2),
     "fwd_output": dict(BK=64, BV=64, num_warps=4, num_stages=2),
     "bwd_dv_local": dict(BV=64, num_warps=4, num_stages=2),
-    "bwd_state": dict(BV=(64, 32, 16), min_programs=128, num_warps=4, num_stages=3),
+    "bwd_state": dict(BV=(64, 32, 16), min_programs=128, num_warps=4, num_stages=3, num_stages_fp32=2),
     "bwd_wy_key": dict(BK=32, BV=64, num_warps=4, num_stages=3),
     "bwd_wy_value": dict(BV=64, num_warps=4, num_stages=1),
     "bwd_intra": dict(BK=32, num_warps=2, num_stages=1, diag_precision="bf16x3"),
@@ -71,10 +72,12 @@ LAUNCH = {
 }
 
 
-def _launch(name: str) -> dict:
-    """``num_warps``/``num_stages`` for a kernel launch (the interpreter takes none)."""
+def _launch(name: str, fp32: bool = False) -> dict:
+    """``num_warps``/``num_stages`` for a kernel launch (the interpreter takes none); fp32 inputs take
+    ``num_stages_fp32`` where a kernel has one (their pipeline buffers are twice as large)."""
     cfg = LAUNCH[name]
-    return {} if INTERPRET else {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+    stages = cfg.get("num_stages_fp32", cfg["num_stages"]) if fp32 else cfg["num_stages"]
+    return {} if INTERPRET else {"num_warps": cfg["num_warps"], "num_stages": stages}
 
 
 def _state_block_v(name: str, BH: int, V: int) -> int:
@@ -232,7 +235,7 @@ def kda_backward(q, k, v, g, beta, scale, initial_state, saved, do, dht, packing
     kda_bwd_state_kernel[(triton.cdiv(V, BV), N * H)](
         qg, kg, w, gl, do, dht, dhs, dv_new, dh0, T,
         H=H, K=K, V=V, BT=CHUNK, BK=BK, BV=BV, HAS_DHT=dht is not None, STORE_DH0=dh0 is not None,
-        DT=DT, PREC=PREC, **seqs, **_launch("bwd_state"))
+        DT=DT, PREC=PREC, **seqs, **_launch("bwd_state", fp32=q.dtype == torch.float32))
     dq_p, dk_p, dG_p = (torch.empty(B, T, H, K, **f32) for _ in range(3))
     cfg = LAUNCH["bwd_wy_key"]
     BKw = _block(K, cfg["BK"])
