@@ -37,11 +37,14 @@ def use_fla_autotune_cache() -> str:
 
 
 def override_launch(launch: dict, text: str) -> None:
-    """Merge ``{"kernel": {"key": value}}`` (JSON) into ``LAUNCH``; unknown kernels or keys raise."""
-    for name, cfg in json.loads(text).items():
+    """Merge ``{"kernel": {"key": value}}`` (JSON) into ``LAUNCH``; an unknown kernel or key raises before
+    anything changes."""
+    override = json.loads(text)
+    for name, cfg in override.items():
         if name not in launch or not set(cfg) <= set(launch[name]):
             raise SystemExit(f"--launch: unknown kernel or key in {name}: {cfg}; kernels and keys: "
                              f"{ {k: sorted(v) for k, v in launch.items()} }")
+    for name, cfg in override.items():
         launch[name].update({k: tuple(v) if isinstance(v, list) else v for k, v in cfg.items()})
 
 
@@ -208,9 +211,9 @@ def main():
             "bwd_dg": [dict(BK=32, num_warps=4), dict(BK=64, num_warps=4), dict(BK=32, num_warps=2)],
         }
         for name, cands in candidates.items():
-            best = None
+            best, shipped = None, dict(kda.LAUNCH[name])  # a candidate replaces only the keys it names
             for cand in cands:
-                kda.LAUNCH[name] = dict(cand, num_stages=kda.LAUNCH[name]["num_stages"])
+                kda.LAUNCH[name] = dict(shipped, **cand)
                 times = []
                 for shape in (SHAPES[0], SHAPES[2]):
                     fwd, fb = time_kda(ours, *shape)
@@ -220,7 +223,7 @@ def main():
                 print(f"tune {name:10s} {str(cand):60s} " + " ".join(f"{t:8.3f}" for t in times), flush=True)
                 if best is None or score < best[0]:
                     best = (score, cand)
-            kda.LAUNCH[name] = dict(best[1], num_stages=kda.LAUNCH[name]["num_stages"])
+            kda.LAUNCH[name] = dict(shipped, **best[1])
             print(f"tune {name:10s} BEST {best[1]}", flush=True)
 
     results["launch"] = {k: str(v) for k, v in kda.LAUNCH.items()}
