@@ -174,8 +174,9 @@ def _sizes(q: Tensor, v: Tensor, packing: Packing | None):
 
 
 def kda_forward(q, k, v, g, beta, scale, initial_state, output_final_state, packing=None):
-    """Run the forward kernels (six; five when ``LAUNCH["fwd_wu"]`` folds the solve in); returns ``(o, final_state or None, saved)`` with ``saved`` the
-    tensors the backward reads (nothing sequential is recomputed there)."""
+    """Run the forward kernels (six; five when ``LAUNCH["fwd_wu"]`` folds the solve in); returns
+    ``(o, final_state or None, saved)`` with ``saved`` the tensors the backward reads (nothing sequential
+    is recomputed there)."""
     B, T, H, K, V, NT, BK, DT, PREC = _sizes(q, v, packing)
     chunks, seqs, N = _packing_args(packing, B)
     f32 = dict(dtype=torch.float32, device=q.device)

@@ -15,8 +15,8 @@ log-decay (per key channel), ``Γ_r = exp(G_r)``, and ``S`` the state entering t
 Six kernels:
 
 1. :func:`kda_fwd_gate_kernel`, grid (key blocks, chunks, B·H): the in-chunk cumulative decay ``G``
-   (fp32 in log2 units, ``G₂ = log₂(e)·G``, also saved for the backward), ``qg = scale Γ ⊙ Q``, ``kg = exp(G_C − G) ⊙ K`` and
-   ``G_C``.
+   (fp32 in log2 units, ``G₂ = log₂(e)·G``, also saved for the backward), ``qg = scale Γ ⊙ Q``,
+   ``kg = exp(G_C − G) ⊙ K`` and ``G_C``.
 2. :func:`kda_fwd_scores_kernel`, grid (chunks, 16-token tiles, B·H): one tile's rows of the score
    matrices ``P`` and ``M``, and the inverse of its 16×16 diagonal block of ``I + Diag(β) M``.
 3. :func:`kda_fwd_solve_kernel`, grid (chunks, B·H): A⁻¹ from the diagonal inverses (a nilpotent series).
@@ -139,7 +139,7 @@ def invert_unit_lower_16(L, BC: tl.constexpr):
 @triton.jit(do_not_specialize=["T"])
 def kda_fwd_gate_kernel(
     q, k, g,            # inputs [B, T, H, K]
-    G2, qg, kg, gl,     # outputs: G2 = log₂(e)·G fp32 (read by scores, wu and the backward), qg, kg [B, T, H, K]; gl [B, NT, H, K]
+    G2, qg, kg, gl,     # outputs [B, T, H, K] (G2 = log₂(e)·G, fp32: read by scores, wu and the backward); gl [B, NT, H, K]
     scale, T,
     cu_seqlens, chunk_indices,  # packed sequences (IS_VARLEN): [N + 1] int64, [NT, 2] int32
     H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr,
