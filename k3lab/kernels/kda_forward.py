@@ -139,7 +139,7 @@ def invert_unit_lower_16(L, BC: tl.constexpr):
 @triton.jit(do_not_specialize=["T"])
 def kda_fwd_gate_kernel(
     q, k, g,            # inputs [B, T, H, K]
-    G2, qg, kg, gl,     # outputs [B, T, H, K] (G2 = log₂(e)·G, fp32: read by scores, wu and the backward); gl [B, NT, H, K]
+    G2, qg, kg, gl,     # outputs [B, T, H, K] (G2 = log₂(e)·G fp32, read by scores, wu, backward); gl [B, NT, H, K]
     scale, T,
     cu_seqlens, chunk_indices,  # packed sequences (IS_VARLEN): [N + 1] int64, [NT, 2] int32
     H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr,
