@@ -8,43 +8,32 @@ autocast if asked), backward, global grad-norm clip, optimizer step, ``model.aft
 when the model defines it (MoE balancer updates, QK-Clip). The model's ``loss`` is the objective:
 a model adds its own auxiliary/MTP terms into it (``aux_loss`` and ``metrics`` are only logged).
 
-Checkpoints (``out_dir/ckpt-00000100/``, written to a temporary folder and renamed into place, then
-``out_dir/latest`` is swapped atomically to point at it):
-
-    model.safetensors      weights (``safetensors.torch.save_model``: tied weights handled)
-    optimizer.safetensors  every tensor of the optimizer state, keyed "<param index>.<name>"
-    rng.safetensors        torch CPU (and CUDA) generator states
-    state.json             step, tokens, elapsed, the optimizer's param groups and non-tensor state,
-                           python/numpy RNG states, TrainConfig, model config, metric history
-
-Loading reads only JSON and safetensors, so a checkpoint cannot run code; any other file in the
-folder (a ``.pt``, a pickle) is ignored. Batches are fetched by step (``train_batches(step)``
-when callable, e.g. :func:`k3lab.data.batch_iterator`), so a resumed run sees the same data.
+Checkpoints (``out_dir/ckpt-00000100/`` plus the ``out_dir/latest`` pointer; safetensors + JSON,
+written atomically, never unpickled) are :mod:`k3lab.checkpoint`'s format, documented there; its
+functions stay importable from here (``from k3lab.train import save_checkpoint, load_checkpoint``).
+Batches are fetched by step (``train_batches(step)`` when callable, e.g.
+:func:`k3lab.data.batch_iterator`), so a resumed run sees the same data.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
-import random
-import shutil
-import tempfile
 import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
-from safetensors.torch import load_file, load_model, save_file, save_model
+from safetensors.torch import load_file
 from torch import nn
 from tqdm.auto import tqdm
 
 from k3lab.backend import resolve_device
+from k3lab.checkpoint import (CHECKPOINT_FORMAT, _plain_config, _set_rng_state,  # noqa: F401 (re-exported)
+                              load_checkpoint, resolve_checkpoint, save_checkpoint)
 from k3lab.optim import build_optimizer, set_lr
 
-CHECKPOINT_FORMAT = "k3lab-checkpoint-v1"
 OPTIMIZERS = ("adamw", "muon")
 DTYPES = ("float32", "bfloat16")
 # fields whose change alters the trajectory of a resumed run (a warning names them)
@@ -181,128 +170,6 @@ def evaluate(model: nn.Module, batches, num_batches: int = 8, device: str | torc
     if not losses:
         raise ValueError("evaluate: val_batches gave no batch")
     return sum(losses) / len(losses)
-
-
-# ----------------------------------------------------------------------------------------------
-# checkpoints: safetensors + JSON only
-# ----------------------------------------------------------------------------------------------
-def _rng_state() -> tuple[dict, dict]:
-    """(tensors, plain data) describing every RNG the loop may touch."""
-    tensors = {"torch_cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        tensors["torch_cuda"] = torch.stack(torch.cuda.get_rng_state_all())
-    py = random.getstate()
-    np_state = np.random.get_state()
-    plain = {"python": [py[0], list(py[1]), py[2]],
-             "numpy": [np_state[0], np_state[1].tolist(), *(x for x in np_state[2:])]}
-    return tensors, plain
-
-
-def _set_rng_state(tensors: dict, plain: dict) -> None:
-    torch.set_rng_state(tensors["torch_cpu"])
-    if "torch_cuda" in tensors and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(list(tensors["torch_cuda"]))
-    version, internal, gauss = plain["python"]
-    random.setstate((version, tuple(internal), gauss))
-    name, keys, pos, has_gauss, cached = plain["numpy"]
-    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
-
-
-def _json_value(value, where: str):
-    """Refuse anything JSON cannot hold, loudly (JSON is the only non-tensor format we read)."""
-    try:
-        json.dumps(value)
-    except TypeError as err:
-        raise TypeError(f"checkpoint: {where} = {value!r} is not plain data (JSON); {err}") from None
-    return value
-
-
-def _split_optimizer_state(optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
-    """optimizer.state_dict() -> (tensors keyed "<index>.<name>", plain data for JSON)."""
-    sd = optimizer.state_dict()
-    tensors, scalars = {}, {}
-    for index, state in sd["state"].items():
-        for name, value in state.items():
-            if isinstance(value, torch.Tensor):
-                tensors[f"{index}.{name}"] = value.detach().contiguous().cpu()
-            else:
-                scalars.setdefault(str(index), {})[name] = _json_value(value, f"optimizer state {index}.{name}")
-    groups = [{k: _json_value(list(v) if isinstance(v, tuple) else v, f"param group key {k!r}")
-               for k, v in g.items()} for g in sd["param_groups"]]
-    return tensors, {"param_groups": groups, "scalars": scalars}
-
-
-def _join_optimizer_state(tensors: dict, plain: dict) -> dict:
-    state: dict[int, dict] = {}
-    for key, value in tensors.items():
-        index, name = key.split(".", 1)
-        state.setdefault(int(index), {})[name] = value
-    for index, values in plain["scalars"].items():
-        state.setdefault(int(index), {}).update(values)
-    groups = [{k: tuple(v) if k == "betas" else v for k, v in g.items()} for g in plain["param_groups"]]
-    return {"state": state, "param_groups": groups}
-
-
-def _plain_config(obj):
-    if dataclasses.is_dataclass(obj):
-        return json.loads(json.dumps(dataclasses.asdict(obj), default=repr))
-    return None
-
-
-def save_checkpoint(out_dir: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    meta: dict, keep: int = 2) -> Path:
-    """Write ``out_dir/ckpt-<step>`` atomically and point ``out_dir/latest`` at it; keep it and the
-    ``keep - 1`` highest-numbered other checkpoints. ``meta`` (plain data, with ``step``) goes into
-    state.json."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    final = out_dir / f"ckpt-{meta['step']:08d}"
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-ckpt-", dir=out_dir))
-    opt_tensors, opt_plain = _split_optimizer_state(optimizer)
-    rng_tensors, rng_plain = _rng_state()
-    save_model(model, str(tmp / "model.safetensors"))
-    save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
-    save_file(rng_tensors, str(tmp / "rng.safetensors"))
-    state = dict(meta, format=CHECKPOINT_FORMAT, optimizer=opt_plain, rng=rng_plain,
-                 model_config=_plain_config(getattr(model, "config", None)))
-    (tmp / "state.json").write_text(json.dumps(state))
-    if final.exists():  # the same step saved again (a resumed run that stops where it started)
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    pointer = out_dir / f".latest.tmp{os.getpid()}"
-    pointer.write_text(final.name)
-    os.replace(pointer, out_dir / "latest")
-    others = [p for p in sorted(out_dir.glob("ckpt-*")) if p != final]
-    for old in others[:max(0, len(others) - (keep - 1))]:
-        shutil.rmtree(old)
-    return final
-
-
-def resolve_checkpoint(path: str | os.PathLike) -> Path:
-    """A checkpoint folder (holds state.json), or a run folder whose ``latest`` file names one."""
-    path = Path(path)
-    if (path / "latest").is_file():
-        path = path / (path / "latest").read_text().strip()
-    if not (path / "state.json").is_file():
-        raise FileNotFoundError(f"no k3lab checkpoint at {path} (expected state.json or a 'latest' file)")
-    return path
-
-
-def load_checkpoint(path: str | os.PathLike, model: nn.Module,
-                    optimizer: torch.optim.Optimizer | None = None) -> dict:
-    """Load weights (and optimizer state) from a checkpoint into ``model`` in place; return its
-    state.json as a dict (``step``, ``history``, ...). Reads safetensors and JSON only."""
-    path = resolve_checkpoint(path)
-    state = json.loads((path / "state.json").read_text())
-    if state.get("format") != CHECKPOINT_FORMAT:
-        raise ValueError(f"{path}: format {state.get('format')!r} is not {CHECKPOINT_FORMAT!r}")
-    device = next(model.parameters()).device
-    load_model(model, str(path / "model.safetensors"), strict=True, device=str(device))
-    if optimizer is not None:
-        tensors = load_file(str(path / "optimizer.safetensors"))
-        optimizer.load_state_dict(_join_optimizer_state(tensors, state["optimizer"]))
-    state["path"] = str(path)
-    return state
 
 
 # ----------------------------------------------------------------------------------------------
