@@ -170,10 +170,33 @@ class MTPHead(nn.Module):
         return self.norm(stream.output())
 
 
-def masked_cross_entropy(logits: Tensor, labels: Tensor) -> Tensor:
-    """Mean CE over labels != -100 in float32; 0 (not NaN) when no label is valid."""
+def masked_cross_entropy(logits: Tensor, labels: Tensor, num_valid: int | None = None) -> Tensor:
+    """CE summed over labels != -100 in float32, divided by ``num_valid`` (default: this call's
+    valid labels, i.e. the mean; 0, not NaN, when none is valid). A data/context-parallel rank passes
+    the *global* count, so the ranks' losses add up to the one-process loss."""
     loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
-    return loss / (labels != IGNORE_INDEX).sum().clamp_min(1)
+    if num_valid is None:
+        return loss / (labels != IGNORE_INDEX).sum().clamp_min(1)
+    return loss / max(int(num_valid), 1)
+
+
+@dataclass
+class LossShard:
+    """How one rank's slice of a global batch enters the loss (data and context parallelism).
+
+    lm_tokens / mtp_tokens: valid labels of the *global* batch for the main and the MTP loss (the
+    divisors, so that Σ over ranks of each rank's loss = the one-process loss); num_shards: ranks
+    the batch is split over (MoE auxiliary losses are averaged over them); next_input_ids /
+    next_labels ``[B, 1]``: the token after this rank's sequence slice (context parallelism: MTP at
+    the slice's last position reads ``x_{t+1}`` and predicts ``labels[t+1]``, which live on the next
+    rank); None on the last slice of a sequence.
+    """
+
+    lm_tokens: int
+    mtp_tokens: int
+    num_shards: int = 1
+    next_input_ids: Tensor | None = None
+    next_labels: Tensor | None = None
 
 
 class K3ForCausalLM(nn.Module):
@@ -204,23 +227,31 @@ class K3ForCausalLM(nn.Module):
                 else:
                     nn.init.normal_(module.weight, mean=0.0, std=std)
 
-    def forward(self, input_ids: Tensor, labels: Tensor | None = None, cache: K3Cache | None = None) -> CausalLMOutput:
+    def forward(self, input_ids: Tensor, labels: Tensor | None = None, cache: K3Cache | None = None,
+                shard: LossShard | None = None) -> CausalLMOutput:
+        """``shard``: this rank's part of a data/context-parallel batch (:class:`LossShard`); None = the whole batch."""
         out = self.model(input_ids, cache)
         logits = self.lm_head(out.last_hidden_state)  # [B, T, vocab]
         if labels is None:
             return CausalLMOutput(loss=None, logits=logits, cache=out.cache)
         if labels.shape != input_ids.shape:
             raise ValueError(f"labels shape {tuple(labels.shape)} must equal input_ids shape {tuple(input_ids.shape)}")
-        lm_loss = masked_cross_entropy(logits, labels)
+        lm_loss = masked_cross_entropy(logits, labels, None if shard is None else shard.lm_tokens)
         metrics = {"lm_loss": lm_loss.detach()}  # 0-d tensors: no host sync in the forward
         ran = [self.model]
         mtp_loss = None
-        if self.mtp is not None and input_ids.shape[1] > 1:
-            hidden = self.mtp(self.model.embed_tokens(input_ids[:, 1:]), out.residual[:, :-1])
-            mtp_loss = masked_cross_entropy(self.lm_head(hidden), labels[:, 1:])
+        nxt = None if shard is None or shard.next_input_ids is None else (shard.next_input_ids, shard.next_labels)
+        if self.mtp is not None and (input_ids.shape[1] > 1 or nxt is not None):
+            ids, lab, res = input_ids[:, 1:], labels[:, 1:], out.residual[:, :-1]
+            if nxt is not None:  # the slice's last position pairs with the next rank's first token
+                ids, lab, res = torch.cat([ids, nxt[0]], 1), torch.cat([lab, nxt[1]], 1), out.residual
+            hidden = self.mtp(self.model.embed_tokens(ids), res)
+            mtp_loss = masked_cross_entropy(self.lm_head(hidden), lab, None if shard is None else shard.mtp_tokens)
             metrics["mtp_loss"] = mtp_loss.detach()
             ran.append(self.mtp)
         aux = [m.aux_loss for part in ran for m in part.modules() if isinstance(m, LatentMoE) and m.aux_loss is not None]
+        if shard is not None and shard.num_shards > 1:
+            aux = [a / shard.num_shards for a in aux]
         terms = ([torch.stack(aux).sum()] if aux else []) + ([self.config.mtp_loss_weight * mtp_loss] if mtp_loss is not None else [])
         if aux:
             metrics["moe_aux_loss"] = terms[0].detach()

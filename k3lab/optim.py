@@ -87,18 +87,39 @@ def param_groups(model: nn.Module) -> dict[str, list[tuple[str, nn.Parameter]]]:
 # ----------------------------------------------------------------------------------------------
 # Muon
 # ----------------------------------------------------------------------------------------------
-def newton_schulz5(G: Tensor, steps: int = 5, eps: float = 1e-7) -> Tensor:
+NS_DTYPES = ("bfloat16", "float32")  # Newton–Schulz precision: bf16 (Keller/Moonlight), fp32 for parity tests
+
+
+def _full(t: Tensor) -> Tensor:
+    """The whole tensor behind a DTensor (FSDP2 shard); a plain tensor as it is."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _like(full: Tensor, ref: Tensor) -> Tensor:
+    """``full`` laid out as ``ref``: this rank's shard when ``ref`` is a DTensor (every rank holds the
+    same ``full``, so taking the local piece needs no communication)."""
+    if not hasattr(ref, "device_mesh"):
+        return full
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(full, ref.device_mesh, ref.placements, src_data_rank=None)
+
+
+def newton_schulz5(G: Tensor, steps: int = 5, eps: float = 1e-7, dtype: str = "bfloat16") -> Tensor:
     """Approximate the orthogonal polar factor ``U Vᵀ`` of ``G = U Σ Vᵀ`` (batched over leading dims).
 
-    ``X ← X/(‖X‖_F + eps)``, then ``steps`` times ``X ← aX + (bA + cA²)X`` with ``A = XXᵀ``, in bf16,
-    on the wide orientation (transposed when rows > cols). The quintic is tuned for speed, not
-    convergence: the singular values land in roughly [0.7, 1.2], not exactly 1 (Keller Jordan).
-    G: [..., n, m] -> [..., n, m] (bf16).
+    ``X ← X/(‖X‖_F + eps)``, then ``steps`` times ``X ← aX + (bA + cA²)X`` with ``A = XXᵀ``, in
+    ``dtype`` (bf16 by default, as Keller Jordan and Moonlight; "float32" for parity tests: bf16
+    rounding alone moves an update by ~16%), on the wide orientation (transposed when rows > cols).
+    The quintic is tuned for speed, not convergence: the singular values land in roughly [0.7, 1.2],
+    not exactly 1 (Keller Jordan). G: [..., n, m] -> [..., n, m] (in ``dtype``).
     """
     if G.ndim < 2:
         raise ValueError(f"newton_schulz5 needs a matrix or a batch of matrices, got shape {tuple(G.shape)}")
+    if dtype not in NS_DTYPES:
+        raise ValueError(f"newton_schulz5: dtype={dtype!r}: allowed values are {NS_DTYPES}")
     a, b, c = NS_COEFFS
-    X = G.bfloat16()
+    X = G.to(getattr(torch, dtype))
     tall = G.size(-2) > G.size(-1)
     if tall:
         X = X.mT
@@ -110,7 +131,7 @@ def newton_schulz5(G: Tensor, steps: int = 5, eps: float = 1e-7) -> Tensor:
     return X.mT if tall else X
 
 
-def muon_direction(update: Tensor, heads: int = 1, ns_steps: int = 5) -> Tensor:
+def muon_direction(update: Tensor, heads: int = 1, ns_steps: int = 5, ns_dtype: str = "bfloat16") -> Tensor:
     """Orthogonalised, Moonlight-scaled Muon direction for one parameter's (Nesterov) momentum.
 
     update: [n, m] (``heads`` row blocks, each ``[n/heads, m]``, orthogonalised separately) or
@@ -125,21 +146,24 @@ def muon_direction(update: Tensor, heads: int = 1, ns_steps: int = 5) -> Tensor:
         raise ValueError(f"muon_direction: shape {tuple(update.shape)} with heads={heads} is not supported "
                          "(2-D matrices with any heads, or 3-D stacks with heads=1)")
     rows, cols = blocks.shape[-2:]
-    ortho = newton_schulz5(blocks, steps=ns_steps).to(update.dtype)
+    ortho = newton_schulz5(blocks, steps=ns_steps, dtype=ns_dtype).to(update.dtype)
     return (ortho * (MOONLIGHT_RMS * math.sqrt(max(rows, cols)))).reshape(update.shape)
 
 
 class MuonAdamW(torch.optim.Optimizer):
     """One optimizer holding Muon groups (``use_muon=True``) and AdamW groups (``use_muon=False``).
 
-    Muon groups take ``lr, momentum, nesterov, ns_steps, weight_decay`` and, per parameter, a head
-    count from the group's ``heads`` list (1 = whole matrix). AdamW groups take
+    Muon groups take ``lr, momentum, nesterov, ns_steps, ns_dtype, weight_decay`` and, per parameter,
+    a head count from the group's ``heads`` list (1 = whole matrix). Under FSDP2 a parameter is a
+    DTensor shard: its update is gathered into the whole matrix, orthogonalised whole (per head),
+    and each rank keeps its own rows (the Newton–Schulz runs redundantly on every rank; the
+    momentum stays sharded). AdamW groups take
     ``lr, betas, eps, weight_decay`` (decoupled: ``p ← p(1 − lr·wd)``). ``state_dict`` /
     ``load_state_dict`` are the stock ``torch.optim.Optimizer`` ones.
     """
 
     def __init__(self, groups: list[dict]):
-        defaults = dict(lr=1e-3, weight_decay=0.0, momentum=0.95, nesterov=True, ns_steps=5,
+        defaults = dict(lr=1e-3, weight_decay=0.0, momentum=0.95, nesterov=True, ns_steps=5, ns_dtype="bfloat16",
                         betas=(0.9, 0.95), eps=1e-8, use_muon=False, heads=None)
         super().__init__(groups, defaults)
         for g in self.param_groups:
@@ -172,7 +196,8 @@ class MuonAdamW(torch.optim.Optimizer):
             grad = p.grad.float()
             buf.lerp_(grad, 1 - beta)                                  # M ← βM + (1−β)G
             update = grad.lerp(buf, beta) if g["nesterov"] else buf    # U = (1−β)G + βM
-            direction = muon_direction(update, heads=h, ns_steps=g["ns_steps"])
+            direction = _like(muon_direction(_full(update), heads=h, ns_steps=g["ns_steps"], ns_dtype=g["ns_dtype"]),
+                              update)
             p.mul_(1 - g["lr"] * g["weight_decay"])
             p.add_(direction.to(p.dtype), alpha=-g["lr"])
 
@@ -211,6 +236,8 @@ def build_optimizer(
     nesterov: bool = True,
     ns_steps: int = 5,
     per_head: bool = True,
+    ns_dtype: str = "bfloat16",
+    foreach: bool | None = None,
 ) -> torch.optim.Optimizer:
     """Build the optimizer for ``model``.
 
@@ -218,8 +245,12 @@ def build_optimizer(
     name="muon": :class:`MuonAdamW` — Muon (lr ``muon_lr``, default ``lr``: the Moonlight scale makes
     one lr fit both) on 2-D hidden matrices and 3-D expert stacks, Per-Head Muon where a module sets
     ``muon_head_splits`` (``per_head=False`` turns that off for ablations), AdamW on the rest.
+    ``ns_dtype``: the Newton–Schulz precision (:data:`NS_DTYPES`). ``foreach``: passed to AdamW
+    (None = torch's default; the distributed trainer sets False when DTensor and plain parameters mix).
     Every group carries ``initial_lr`` so a schedule can scale each group's lr (see :func:`set_lr`).
     """
+    if ns_dtype not in NS_DTYPES:
+        raise ValueError(f"build_optimizer: ns_dtype={ns_dtype!r}: allowed values are {NS_DTYPES}")
     groups = param_groups(model)
     decay = [p for _, p in groups["adamw_decay"]]
     no_decay = [p for _, p in groups["adamw_no_decay"]]
@@ -231,14 +262,14 @@ def build_optimizer(
         opt_groups = [g for g in opt_groups if g["params"]]
         for g in opt_groups:
             g["initial_lr"] = lr
-        return torch.optim.AdamW(opt_groups, lr=lr, betas=betas, eps=eps)
+        return torch.optim.AdamW(opt_groups, lr=lr, betas=betas, eps=eps, foreach=foreach)
     if name == "muon":
         splits = _head_splits(model) if per_head else {}
         muon = [p for _, p in groups["muon"]]
         mlr = lr if muon_lr is None else muon_lr
         opt_groups = [
             dict(params=muon, use_muon=True, lr=mlr, initial_lr=mlr, weight_decay=weight_decay,
-                 momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
+                 momentum=momentum, nesterov=nesterov, ns_steps=ns_steps, ns_dtype=ns_dtype,
                  heads=[splits.get(id(p), 1) for p in muon]),
             dict(params=decay, use_muon=False, lr=lr, initial_lr=lr, weight_decay=weight_decay, betas=betas, eps=eps),
             dict(params=no_decay, use_muon=False, lr=lr, initial_lr=lr, weight_decay=0.0, betas=betas, eps=eps),
@@ -290,14 +321,30 @@ def qk_clip_(mla: nn.Module, tau: float = 100.0) -> Tensor:
     if s_max.shape != (H,):
         raise ValueError(f"qk_clip_: mla.max_logit must have shape [{H}], got {tuple(s_max.shape)}")
     gamma = torch.where(s_max > tau, tau / s_max.clamp_min(1e-30), torch.ones_like(s_max))  # [H]
-    wq = mla.q_b_proj.weight.view(H, dn + dr, -1)                               # [H, dn+dr, q_lora]
-    wkv = mla.kv_b_proj.weight.view(H, dn + dv, -1)                             # [H, dn+dv, kv_lora]
-    sq = gamma.sqrt().to(wq.dtype)[:, None, None]
-    wq[:, :dn].mul_(sq)
-    wq[:, dn:].mul_(gamma.to(wq.dtype)[:, None, None])
-    wkv[:, :dn].mul_(sq.to(wkv.dtype))
+    sq = gamma.sqrt()[:, None]                                                  # [H, 1]
+    q_rows = torch.cat([sq.expand(H, dn), gamma[:, None].expand(H, dr)], 1)     # [H, dn+dr] per q_b_proj row
+    kv_rows = torch.cat([sq.expand(H, dn), torch.ones(H, dv, device=gamma.device)], 1)  # [H, dn+dv]
+    scale_rows_(mla.q_b_proj.weight, q_rows.reshape(-1))
+    scale_rows_(mla.kv_b_proj.weight, kv_rows.reshape(-1))
     mla.max_logit.copy_(torch.minimum(s_max, torch.full_like(s_max, tau)).to(mla.max_logit.dtype))
     return gamma
+
+
+@torch.no_grad()
+def scale_rows_(weight: Tensor, row_scale: Tensor) -> None:
+    """``weight[i, :] *= row_scale[i]`` in place; for an FSDP2 DTensor (``Shard(0)``, torch.chunk rows)
+    only this rank's rows are touched, so no gather is needed."""
+    if hasattr(weight, "to_local"):
+        local = weight.to_local()
+        (mesh_axis,) = [i for i, p in enumerate(weight.placements) if p.is_shard()] or [None]
+        if mesh_axis is None:
+            start = 0
+        else:
+            W, r = weight.device_mesh.size(mesh_axis), weight.device_mesh.get_local_rank(mesh_axis)
+            start = min(r * -(-weight.shape[0] // W), weight.shape[0])
+        local.mul_(row_scale[start:start + local.shape[0], None].to(local.device, local.dtype))
+    else:
+        weight.mul_(row_scale[:, None].to(weight.dtype))
 
 
 def qk_clip_model_(model: nn.Module, tau: float = 100.0) -> dict[str, Tensor]:

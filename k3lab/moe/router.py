@@ -13,8 +13,9 @@ Balancers share one interface:
 
 * ``observe(route) -> aux_loss | None`` during the step (once per micro-batch, in training only);
 * ``update()`` after the optimizer step: all-reduce ``stats()`` through the ``all_reduce`` hook
-  (``None`` = single process; e.g. ``torch.distributed.all_reduce`` in a distributed run), then move
-  the bias, which the *next* step uses;
+  (``None`` = single process; e.g. ``torch.distributed.all_reduce`` in a distributed run; exact QB
+  all-gathers its margins through the ``all_gather`` hook), then move the bias, which the *next*
+  step uses; every rank then holds the bias one process would compute;
 * ``metrics()``: per-expert load of the last completed step and its max violation
   ``max_j load_j/target − 1``, target = (tokens·k)/E.
 
@@ -118,7 +119,8 @@ class Balancer:
         self.num_experts = bias.numel()
         self.load = torch.zeros(self.num_experts, dtype=torch.int64, device=bias.device)  # this step, [E]
         self.last_load = self.load.clone()                                                # last completed step
-        self.all_reduce: Callable[[Tensor], None] | None = None
+        self.all_reduce: Callable[[Tensor], None] | None = None       # in-place Σ over ranks
+        self.all_gather: Callable[[Tensor], Tensor] | None = None     # [n, ...] -> [W·n, ...] rank-major
 
     def _follow_device(self) -> None:
         """Keep the statistics on the bias's device (the model may have been moved after construction)."""
@@ -236,6 +238,13 @@ class QuantileBalancer(Balancer):
 
     def stats(self) -> list[Tensor]:
         return [self.load] if self.exact else [self.load, self.counts]
+
+    def _reduce(self) -> None:
+        """The histogram is additive (summed with the load); the exact margins are not, so a
+        distributed run gathers every rank's ``[m_r, E]`` margins (equal m_r) instead."""
+        super()._reduce()
+        if self.exact and self.margins and self.all_gather is not None:
+            self.margins = [self.all_gather(torch.cat(self.margins))]
 
     def _move_bias(self) -> None:
         b_hat = self.exact_quantile() if self.exact else self.histogram_quantile()

@@ -1,0 +1,136 @@
+"""Parallel dimensions of a run and the process groups they make (one place that validates them).
+
+Three axes, torchtitan's convention (EP *borrows* ranks, it is not an extra factor)::
+
+    world_size = dp_shard · cp                   every rank holds a different slice of the data
+    ep | dp_shard · cp,   ep | n_routed_experts   expert parallelism groups ``ep`` consecutive ranks
+
+* ``dp_shard``: data parallel with FSDP2 sharding (each rank a slice of the batch rows);
+* ``cp``:       context parallel (each rank a slice of every sequence: KCP for KDA, latent
+  all-gather for MLA); ranks of one CP group are consecutive;
+* ``ep``:       expert parallel (each rank computes the experts of ``E/ep`` home experts, plus
+  MoonEP's replicas); ranks of one EP group are consecutive; the ``world/ep`` groups of equal EP
+  index replicate the same expert slice ("edp") and sum their expert gradients.
+
+Rank ``r`` sits at ``(dp, c) = divmod(r, cp)`` of the ``[dp_shard, cp]`` data mesh and at
+``(edp, e) = divmod(r, ep)`` of the ``[world/ep, ep]`` expert mesh. "axis" names a mesh axis;
+"dim" is kept for tensor dimensions.
+"""
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+AXES = ("dp_shard", "cp", "ep")
+DEFAULT_TIMEOUT_S = 120.0  # every process group's timeout: a dead rank ends the run, nothing hangs
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Validated degrees; ``dp_shard=-1`` means "the ranks that remain" (world / cp)."""
+
+    world_size: int
+    dp_shard: int = -1
+    cp: int = 1
+    ep: int = 1
+
+    def __post_init__(self):
+        def need(ok: bool, name: str, rule: str):
+            if not ok:
+                raise ValueError(f"parallel dims: {name}={getattr(self, name)!r}: {rule}")
+
+        for name in ("world_size", "cp", "ep"):
+            need(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, name, "must be an int >= 1")
+        need(isinstance(self.dp_shard, int) and (self.dp_shard >= 1 or self.dp_shard == -1), "dp_shard",
+             "must be an int >= 1, or -1 for world_size / cp")
+        if self.dp_shard == -1:
+            need(self.world_size % self.cp == 0, "cp", f"must divide world_size={self.world_size}")
+            object.__setattr__(self, "dp_shard", self.world_size // self.cp)
+        need(self.dp_shard * self.cp == self.world_size, "dp_shard",
+             f"dp_shard·cp = {self.dp_shard}·{self.cp} must equal world_size={self.world_size}")
+        need(self.world_size % self.ep == 0, "ep",
+             f"must divide the dp_shard·cp = {self.world_size} ranks it borrows "
+             f"(allowed: {[d for d in range(1, self.world_size + 1) if self.world_size % d == 0]})")
+
+    def check_model(self, cfg, batch_size: int, seq_len: int, chunk: int = 1) -> None:
+        """Errors naming the field when the model or batch cannot be split this way."""
+        if cfg.mlp_kind != "dense" and cfg.n_routed_experts % self.ep != 0:
+            raise ValueError(f"parallel dims: ep={self.ep} must divide n_routed_experts={cfg.n_routed_experts}")
+        if self.ep > 1 and cfg.mlp_kind == "dense":
+            raise ValueError(f"parallel dims: ep={self.ep} needs a MoE model (mlp_kind={cfg.mlp_kind!r})")
+        if batch_size % self.dp_shard != 0:
+            raise ValueError(f"parallel dims: dp_shard={self.dp_shard} must divide batch_size={batch_size}")
+        if seq_len % (self.cp * chunk) != 0:
+            raise ValueError(f"parallel dims: cp={self.cp} must split seq_len={seq_len} into equal parts"
+                             + (f" of whole multiples of {chunk}" if chunk > 1 else ""))
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """This rank's index on each axis: dp, cp (data mesh) and ep, edp (expert mesh)."""
+        dp, c = divmod(rank, self.cp)
+        edp, e = divmod(rank, self.ep)
+        return {"dp_shard": dp, "cp": c, "edp": edp, "ep": e}
+
+
+@dataclass
+class ParallelGroups:
+    """The process groups of one run (None where an axis has degree 1 or there is no process group)."""
+
+    dims: ParallelDims
+    rank: int
+    world: dist.ProcessGroup | None     # all ranks: FSDP, loss and balancer statistics
+    cp: dist.ProcessGroup | None        # this rank's context-parallel group
+    ep: dist.ProcessGroup | None        # this rank's expert-parallel group
+    edp: dist.ProcessGroup | None       # ranks holding the same expert slice
+    mesh: object | None = None          # 1-D DeviceMesh over all ranks (FSDP2 wants a flat dp_shard·cp mesh)
+
+
+def _subgroups(world: int, size: int, consecutive: bool, timeout: datetime.timedelta, rank: int):
+    """Every rank creates every group (a torch.distributed rule); return the one holding ``rank``."""
+    mine = None
+    for start in range(world // size if consecutive else size):
+        ranks = (list(range(start * size, (start + 1) * size)) if consecutive
+                 else list(range(start, world, size)))
+        group = dist.new_group(ranks, timeout=timeout)
+        if rank in ranks:
+            mine = group
+    return mine
+
+
+def init_groups(dims: ParallelDims, device_type: str = "cpu", timeout_s: float = DEFAULT_TIMEOUT_S) -> ParallelGroups:
+    """Process groups for ``dims`` on the already-initialised default group (torchrun or a test).
+
+    Without an initialised default group the run is one process: every group is None."""
+    if not dist.is_initialized():
+        if dims.world_size != 1:
+            raise ValueError(f"parallel dims: world_size={dims.world_size} but torch.distributed is not "
+                             "initialised (launch with torchrun)")
+        return ParallelGroups(dims, 0, None, None, None, None)
+    if dist.get_world_size() != dims.world_size:
+        raise ValueError(f"parallel dims: world_size={dims.world_size} but the process group has "
+                         f"{dist.get_world_size()} ranks")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    rank, W = dist.get_rank(), dims.world_size
+    timeout = datetime.timedelta(seconds=timeout_s)
+    cp = _subgroups(W, dims.cp, True, timeout, rank) if dims.cp > 1 else None
+    ep = _subgroups(W, dims.ep, True, timeout, rank) if dims.ep > 1 else None
+    edp = _subgroups(W, dims.ep, False, timeout, rank) if dims.ep < W else None
+    mesh = init_device_mesh(device_type, (W,), mesh_dim_names=("fsdp",))
+    return ParallelGroups(dims, rank, dist.group.WORLD, cp, ep, edp, mesh)
+
+
+def init_process_group_from_env(device_type: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> bool:
+    """Under torchrun (``WORLD_SIZE`` set): init the default group (nccl on CUDA, gloo on CPU) with a
+    timeout, pin this rank's GPU; returns True. Alone: returns False and starts nothing."""
+    import os
+
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1 and "RANK" not in os.environ:
+        return False
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    if device_type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    return True

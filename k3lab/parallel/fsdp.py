@@ -1,0 +1,107 @@
+"""FSDP2 for the K3 model: ``fully_shard`` per sublayer (``self_attn``, the MLP/MoE) and the root.
+
+Why per sublayer and not per ``K3DecoderLayer``: a decoder layer returns its output through the
+residual-stream object (:mod:`k3lab.residual`), not as a tensor, so FSDP2's backward hooks on the
+layer's outputs never fire and the layer's parameters are never re-gathered for backward. Each
+``self_attn`` and MLP module returns plain tensors, so wrapping those works (the norms, AttnRes
+queries, embedding and head belong to the root).
+
+Left out of sharding (``ignored_params``):
+
+* each router's ``e_score_correction_bias``: the balancer updates it in place every step; a
+  sharded copy would be re-gathered from a stale shard and the module's bias would silently stay 0;
+* expert slices under expert parallelism: already split by EP (each rank holds its own experts);
+  their gradients are summed over the ranks that hold the same slice (:func:`sum_expert_grads_`).
+
+Gradients: every rank's loss is its share of the *global* loss (divided by the global token count,
+:class:`k3lab.model.LossShard`), so the ranks' gradients must be **summed**, not averaged: the
+gradient divide factor is set to 1.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from k3lab.moe.latent import LatentMoE
+from k3lab.moe.router import SigmoidRouter
+
+
+def ignored_parameters(model: nn.Module, expert_params: set[nn.Parameter]) -> set[nn.Parameter]:
+    """Router biases (always) and the EP expert slices (when expert parallel)."""
+    ignored = {m.e_score_correction_bias for m in model.modules() if isinstance(m, SigmoidRouter)}
+    return ignored | set(expert_params)
+
+
+def sublayers(model: nn.Module) -> list[nn.Module]:
+    """Every decoder layer's ``self_attn`` and MLP module (the MTP block's too), in forward order."""
+    layers = list(model.model.layers) + ([model.mtp.block] if getattr(model, "mtp", None) is not None else [])
+    return [m for layer in layers for m in (layer.self_attn, getattr(layer, layer.mlp_name))]
+
+
+def apply_fsdp(model: nn.Module, mesh, expert_params: set[nn.Parameter], param_dtype: torch.dtype | None = None,
+               reshard_after_forward: bool = True) -> nn.Module:
+    """``fully_shard`` each sublayer, then the root, on the flat 1-D mesh over dp_shard·cp.
+
+    ``param_dtype``: FSDP2 mixed precision (e.g. bf16 compute, fp32 gradient reduction); None keeps fp32.
+    """
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    if mesh.ndim != 1:
+        raise ValueError(f"apply_fsdp: mesh must be 1-D (a 2-D mesh means HSDP), got {mesh.ndim} axes")
+    ignored = ignored_parameters(model, expert_params)
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
+    kw = dict(mesh=mesh, mp_policy=mp)
+    for module in sublayers(model):
+        own = {p for p in module.parameters() if p in ignored}
+        fully_shard(module, reshard_after_forward=reshard_after_forward, ignored_params=own or None, **kw)
+    fully_shard(model, reshard_after_forward=False, ignored_params=ignored or None, **kw)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)      # Σ over ranks, not the mean
+            module.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
+    # K3's sublayers return views (``y.view(B, T, D)``); nothing here modifies them in place
+    # (the residual stream adds out of place), which is the case FSDP2's warning is about
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+    return model
+
+
+@torch.no_grad()
+def sum_expert_grads_(expert_params: list[nn.Parameter], group) -> None:
+    """Σ the EP expert-slice gradients over the ranks holding the same slice (one flat all-reduce)."""
+    grads = [p.grad for p in expert_params if p.grad is not None]
+    if group is None or not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+    for g, piece in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(piece.view_as(g))
+
+
+@torch.no_grad()
+def clip_grad_norm_(params: list[nn.Parameter], max_norm: float, expert_params: set[nn.Parameter],
+                    replicas: int, group) -> float:
+    """Global gradient 2-norm over FSDP shards and EP slices; scale every gradient by
+    ``min(1, max_norm/(norm + 1e-6))`` (torch's rule). An FSDP shard counts once over all ranks; an
+    expert slice is held by ``replicas`` ranks, so its square is divided by that."""
+    total = torch.zeros((), dtype=torch.float64)
+    for p in params:
+        if p.grad is None:
+            continue
+        g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+        sq = g.double().pow(2).sum().cpu()
+        total += sq / replicas if p in expert_params else sq
+    if group is not None:
+        total = total.to(params[0].device if params[0].device.type == "cuda" else "cpu")
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+    norm = float(total.sqrt())
+    if math.isfinite(norm) and max_norm and max_norm < math.inf:
+        coef = min(1.0, max_norm / (norm + 1e-6))
+        if coef < 1.0:
+            for p in params:
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+    return norm
