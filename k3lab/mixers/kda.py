@@ -177,6 +177,7 @@ class KDA(nn.Module):
         self.o_norm = nn.RMSNorm(V, eps=cfg.rms_norm_eps)  # one [V] weight shared by all heads
         self.o_proj = nn.Linear(H * V, D, bias=False)
         self.muon_head_splits = {"q_proj": H, "k_proj": H, "v_proj": H}
+        self.cp = None  # a k3lab.parallel.context.CPContext: context-parallel forward (halo convs, KCP mix)
 
     def forward(self, x: Tensor, cache: KDACache | None = None) -> tuple[Tensor, KDACache]:
         if x.dim() != 3 or x.shape[-1] != self.cfg.hidden_size:
@@ -184,9 +185,13 @@ class KDA(nn.Module):
         B, T, _ = x.shape
         H, K, V = self.num_heads, self.head_k_dim, self.head_v_dim
         past = (None,) * 4 if cache is None else (cache.recurrent, cache.conv_q, cache.conv_k, cache.conv_v)
-        q, conv_q = self.q_conv1d(self.q_proj(x), past[1])  # [B, T, H*K]
-        k, conv_k = self.k_conv1d(self.k_proj(x), past[2])
-        v, conv_v = self.v_conv1d(self.v_proj(x), past[3])  # [B, T, H*V]
+        if self.cp is None:
+            q, conv_q = self.q_conv1d(self.q_proj(x), past[1])  # [B, T, H*K]
+            k, conv_k = self.k_conv1d(self.k_proj(x), past[2])
+            v, conv_v = self.v_conv1d(self.v_proj(x), past[3])  # [B, T, H*V]
+        else:  # context parallel: conv halos from the previous rank (cache must be None)
+            (q, conv_q), (k, conv_k), (v, conv_v) = self.cp.short_convs(
+                (self.q_conv1d, self.k_conv1d, self.v_conv1d), (self.q_proj(x), self.k_proj(x), self.v_proj(x)), cache)
         q = l2norm(q.view(B, T, H, K))  # [B, T, H, K] float32
         k = l2norm(k.view(B, T, H, K))
         v = v.view(B, T, H, V)
@@ -194,7 +199,8 @@ class KDA(nn.Module):
         beta = torch.sigmoid(self.b_proj(x).to(cdt))  # [B, T, H]
         z = self.f_b_proj(self.f_a_proj(x)).view(B, T, H, K)
         g = kda_gate(z, self.A_log, self.dt_bias, self.gate_kind, self.lower_bound)  # [B, T, H, K]
-        o, state = self._mix(q, k, v, g, beta, past[0])  # [B, T, H, V], [B, H, K, V]
+        mix = self._mix if self.cp is None else lambda *a: self.cp.kda_mix(self, *a)  # KCP: affine chain
+        o, state = mix(q, k, v, g, beta, past[0])  # [B, T, H, V], [B, H, K, V]
         o = F.rms_norm(o.to(cdt), (V,), self.o_norm.weight.to(cdt), self.o_norm.eps)
         o = torch.sigmoid(self.g_proj(x).to(cdt)).view(B, T, H, V) * o
         y = self.o_proj(o.reshape(B, T, H * V).to(x.dtype))  # [B, T, D]

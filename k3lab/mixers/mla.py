@@ -158,6 +158,7 @@ class GatedMLA(nn.Module):
         self.attn_form = "auto"
         self.track_max_logit = cfg.qk_clip_tau is not None  # only QK-Clip reads it (an extra QK^T pass on the fused path)
         self.register_buffer("max_logit", torch.zeros(H), persistent=False)
+        self.cp = None  # a k3lab.parallel.context.CPContext: context-parallel forward (gathered latent)
 
     # ---------------------------------------------------------------------------------------
     def project(self, x: Tensor, offset: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -168,7 +169,8 @@ class GatedMLA(nn.Module):
         c_kv, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         c_kv = self.kv_a_layernorm(c_kv)
         if self.use_rope:
-            positions = torch.arange(offset, offset + T, device=x.device)
+            positions = torch.arange(offset, offset + T, device=x.device) if self.cp is None else \
+                self.cp.positions(T, x.device)  # context parallel: global positions
             q_rope = rope_rotate(q_rope, positions, self.rope_theta)
             k_rope = rope_rotate(k_rope, positions, self.rope_theta)
         return q_nope, q_rope, c_kv, k_rope
@@ -220,13 +222,17 @@ class GatedMLA(nn.Module):
         B, T, _ = x.shape
         offset = 0 if cache is None else cache.offset
         q_nope, q_rope, c_kv, k_rope = self.project(x, offset)
-        if cache is not None:
-            c_kv = torch.cat([cache.c_kv, c_kv], dim=1)  # [B, S, R]
-            k_rope = torch.cat([cache.k_rope, k_rope], dim=1)  # [B, S, rope]
-        absorbed = self.attn_form == "absorbed" or (
-            self.attn_form == "auto" and cache is not None and T <= ABSORBED_MAX_QUERIES)
-        attend = self.attend_absorbed if absorbed else self.attend_naive
-        o = attend(q_nope, q_rope, c_kv, k_rope, offset).flatten(2)  # [B, T, H*V], fp32: K3 keeps it so
+        if self.cp is not None:  # context parallel: gathered latent, global-position mask (cache must be None)
+            o, c_kv, k_rope = self.cp.mla_attend(self, q_nope, q_rope, c_kv, k_rope, cache)
+            o = o.flatten(2)  # [B, T, H*V]; c_kv, k_rope: the whole sequence
+        else:
+            if cache is not None:
+                c_kv = torch.cat([cache.c_kv, c_kv], dim=1)  # [B, S, R]
+                k_rope = torch.cat([cache.k_rope, k_rope], dim=1)  # [B, S, rope]
+            absorbed = self.attn_form == "absorbed" or (
+                self.attn_form == "auto" and cache is not None and T <= ABSORBED_MAX_QUERIES)
+            attend = self.attend_absorbed if absorbed else self.attend_naive
+            o = attend(q_nope, q_rope, c_kv, k_rope, offset).flatten(2)  # [B, T, H*V], fp32: K3 keeps it so
         if self.use_output_gate:
             o = torch.sigmoid(self.g_proj(x).to(o.dtype)) * o  # G1 gate: elementwise, from the layer input
         return self.o_proj(o.to(x.dtype)), MLACache(c_kv, k_rope)
