@@ -186,17 +186,18 @@ class LossShard:
 
     lm_tokens / mtp_tokens: valid labels of the *global* batch for the main and the MTP loss (the
     divisors, so that Σ over ranks of each rank's loss = the one-process loss); num_shards: ranks
-    the batch is split over (MoE auxiliary losses are averaged over them); next_input_ids /
-    next_labels ``[B, 1]``: the token after this rank's sequence slice (context parallelism: MTP at
-    the slice's last position reads ``x_{t+1}`` and predicts ``labels[t+1]``, which live on the next
-    rank); None on the last slice of a sequence.
+    the batch is split over (MoE auxiliary losses are averaged over them).
+    mtp_input_ids / mtp_labels ``[B, T_local]``: under context parallelism, the token one ahead of
+    each local position and its label (MTP at global position t reads ``x_{t+1}`` and predicts
+    ``labels[t+1]``, which may live on another rank); the sequence's last position gets a pad with
+    label -100 (causal attention keeps it from touching the others). None: shift inside the slice.
     """
 
     lm_tokens: int
     mtp_tokens: int
     num_shards: int = 1
-    next_input_ids: Tensor | None = None
-    next_labels: Tensor | None = None
+    mtp_input_ids: Tensor | None = None
+    mtp_labels: Tensor | None = None
 
 
 class K3ForCausalLM(nn.Module):
@@ -240,11 +241,11 @@ class K3ForCausalLM(nn.Module):
         metrics = {"lm_loss": lm_loss.detach()}  # 0-d tensors: no host sync in the forward
         ran = [self.model]
         mtp_loss = None
-        nxt = None if shard is None or shard.next_input_ids is None else (shard.next_input_ids, shard.next_labels)
-        if self.mtp is not None and (input_ids.shape[1] > 1 or nxt is not None):
+        ahead = shard is not None and shard.mtp_input_ids is not None
+        if self.mtp is not None and (input_ids.shape[1] > 1 or ahead):
             ids, lab, res = input_ids[:, 1:], labels[:, 1:], out.residual[:, :-1]
-            if nxt is not None:  # the slice's last position pairs with the next rank's first token
-                ids, lab, res = torch.cat([ids, nxt[0]], 1), torch.cat([lab, nxt[1]], 1), out.residual
+            if ahead:  # context parallel: the tokens one ahead of every local position come with the shard
+                ids, lab, res = shard.mtp_input_ids, shard.mtp_labels, out.residual
             hidden = self.mtp(self.model.embed_tokens(ids), res)
             mtp_loss = masked_cross_entropy(self.lm_head(hidden), lab, None if shard is None else shard.mtp_tokens)
             metrics["mtp_loss"] = mtp_loss.detach()

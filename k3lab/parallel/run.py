@@ -30,11 +30,11 @@ from pathlib import Path
 
 from k3lab.backend import DEVICES
 from k3lab.config import PRESETS, ModelConfig
+from k3lab.parallel.context import CP_LAYOUTS
 from k3lab.parallel.dims import DEFAULT_TIMEOUT_S
 from k3lab.train import DTYPES, OPTIMIZERS, TrainConfig
 
 EP_KINDS_CLI = ("moonep", "ep")
-CP_LAYOUTS_CLI = ("contiguous", "zigzag")
 PROGRESS_PREFIX = "K3LAB_PROGRESS "  # rank 0 prints "K3LAB_PROGRESS step/steps loss" for launch()'s bar
 
 
@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cp", type=int, default=1)
     p.add_argument("--ep", type=int, default=1)
     p.add_argument("--ep-kind", default="moonep", choices=EP_KINDS_CLI)
-    p.add_argument("--cp-layout", default="contiguous", choices=CP_LAYOUTS_CLI)
+    p.add_argument("--cp-layout", default="contiguous", choices=CP_LAYOUTS)
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--balancer", default=None, help="override the preset's balancer")
     p.add_argument("--out-dir", default=None, help="DCP checkpoints go here")
@@ -149,7 +149,7 @@ def launch(nproc: int, *args: str, timeout: float = 600.0, progress: bool = True
         if proc.poll() is None:
             proc.kill()
     if rc != 0 or not out.exists():
-        failed = re.findall(r"rank\s*:\s*(\d+)", "".join(lines))
+        failed = re.findall(r"Root Cause[\s\S]*?rank\s*:\s*(\d+)", "".join(lines))
         who = f" (failed rank: {failed[0]})" if failed else ""
         raise RuntimeError(f"launch: torchrun exited with {rc}{who}; last output:\n{''.join(lines[-30:])}")
     return json.loads(out.read_text())

@@ -53,21 +53,25 @@ class ParallelOptions:
 
 
 def local_batch(x: torch.Tensor, y: torch.Tensor, dims: ParallelDims, rank: int, lm_tokens: int,
-                mtp_tokens: int) -> tuple[torch.Tensor, torch.Tensor, LossShard]:
-    """This rank's rows and (contiguous) sequence slice of the global batch, and its LossShard."""
+                mtp_tokens: int, cp_layout: str = "contiguous") -> tuple[torch.Tensor, torch.Tensor, LossShard]:
+    """This rank's rows and sequence part(s) of the global batch ``[B, T]``, and its LossShard.
+
+    Under context parallelism the shard also carries, for each local position, the global batch's
+    next token and next label (MTP); the last position of the sequence gets a pad labelled -100."""
     at = dims.coords(rank)
     B, T = x.shape
     rows = slice(at["dp_shard"] * B // dims.dp_shard, (at["dp_shard"] + 1) * B // dims.dp_shard)
-    n = T // dims.cp
-    lo, hi = at["cp"] * n, (at["cp"] + 1) * n
-    xs, ys = x[rows, lo:hi], y[rows, lo:hi]
-    nxt_x = nxt_y = None
-    if dims.cp > 1:  # MTP at the slice's last position needs the next token; the last slice gets a masked pad
-        if hi < T:
-            nxt_x, nxt_y = x[rows, hi:hi + 1], y[rows, hi:hi + 1]
-        else:
-            nxt_x, nxt_y = torch.zeros_like(xs[:, :1]), torch.full_like(ys[:, :1], IGNORE_INDEX)
-    return xs, ys, LossShard(lm_tokens, mtp_tokens, dims.world_size, nxt_x, nxt_y)
+    x, y = x[rows], y[rows]
+    if dims.cp == 1:
+        return x, y, LossShard(lm_tokens, mtp_tokens, dims.world_size)
+    from k3lab.parallel.context import CPContext
+
+    pos = CPContext(group=None, rank=at["cp"], world=dims.cp, layout=cp_layout).positions(T // dims.cp)  # [T_local]
+    ahead = (pos + 1).clamp_max(T - 1)
+    last = (pos == T - 1)[None, :]                                                                      # [1, T_local]
+    mtp_x = x[:, ahead].masked_fill(last, 0)
+    mtp_y = y[:, ahead].masked_fill(last, IGNORE_INDEX)
+    return x[:, pos], y[:, pos], LossShard(lm_tokens, mtp_tokens, dims.world_size, mtp_x, mtp_y)
 
 
 def _maybe_fault(rank: int, step: int) -> None:
@@ -144,9 +148,9 @@ def _train(model_cfg, train_cfg, opts, batches, device, resume_from, stop_at, on
             x, y = batches(step)
             if distributed:
                 lm_n, mtp_n = int((y != IGNORE_INDEX).sum()), int((y[:, 1:] != IGNORE_INDEX).sum())
-                xs, ys, shard = local_batch(x, y, dims, rank, lm_n, mtp_n)
-                if shard.next_input_ids is not None:
-                    shard.next_input_ids, shard.next_labels = shard.next_input_ids.to(device), shard.next_labels.to(device)
+                xs, ys, shard = local_batch(x, y, dims, rank, lm_n, mtp_n, opts.cp_layout)
+                if shard.mtp_input_ids is not None:
+                    shard.mtp_input_ids, shard.mtp_labels = shard.mtp_input_ids.to(device), shard.mtp_labels.to(device)
             else:
                 xs, ys, shard = x, y, None
             with _autocast(device, train_cfg.dtype):

@@ -1,0 +1,159 @@
+"""The distributed trainer against one process: FSDP2 gradients, losses, router biases, Muon, CLI."""
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from dist_util import run_ranks
+from k3lab.config import ModelConfig
+from k3lab.data import batch_iterator
+from k3lab.model import IGNORE_INDEX, K3ForCausalLM
+from k3lab.moe.router import SigmoidRouter
+from k3lab.parallel.dims import ParallelDims, init_groups
+from k3lab.parallel.parallelize import parallelize
+from k3lab.parallel.run import main as run_main
+from k3lab.parallel.trainer import ParallelOptions, local_batch, train_parallel
+from k3lab.testing import rel_err
+from k3lab.train import TrainConfig, fit
+
+STEPS = 3
+
+
+def _batches(seed=0):
+    ids = torch.randint(0, 4096, (20000,), generator=torch.Generator().manual_seed(seed))
+    return batch_iterator(ids, 4, 64, seed=seed)
+
+
+def _train_cfg(optimizer, balancer_cfg=None):
+    okw = {"ns_dtype": "float32"} if optimizer == "muon" else {}
+    return TrainConfig(steps=STEPS, lr=1e-2, optimizer=optimizer, optimizer_kwargs=okw, progress=False, device="cpu")
+
+
+def _biases(model):
+    return [m.e_score_correction_bias.detach().clone() for m in model.modules() if isinstance(m, SigmoidRouter)]
+
+
+def _fsdp_worker(rank, world, balancer):
+    cfg = ModelConfig.preset("tiny").replace(balancer=balancer)
+    out = {}
+    # gradients of one step: the sharded model against the whole model in this process
+    x, y = _batches()(0)
+    torch.manual_seed(0)
+    ref = K3ForCausalLM(cfg)
+    ref(x, labels=y).loss.backward()
+    dims = ParallelDims(world)
+    torch.manual_seed(0)
+    model, _ = parallelize(K3ForCausalLM(cfg), init_groups(dims), torch.device("cpu"))
+    xs, ys, shard = local_batch(x, y, dims, rank, int((y != IGNORE_INDEX).sum()), int((y[:, 1:] != IGNORE_INDEX).sum()))
+    model(xs, labels=ys, shard=shard).loss.backward()
+    ref_grads = dict(ref.named_parameters())
+    out["grad_err"] = max(rel_err(p.grad.full_tensor(), ref_grads[n].grad) for n, p in model.named_parameters()
+                          if p.grad is not None)
+    for optimizer in ("adamw", "muon"):
+        metrics = train_parallel(cfg, _train_cfg(optimizer), ParallelOptions(), _batches())
+        out[optimizer] = metrics["losses"]
+    out["loads"] = metrics["expert_loads"]
+    return out
+
+
+@pytest.fixture(scope="module")
+def fsdp_runs():
+    return {b: run_ranks(_fsdp_worker, 2, b) for b in ("quantile_hist", "loss_free")}
+
+
+def _one_process(balancer, optimizer):
+    cfg = ModelConfig.preset("tiny").replace(balancer=balancer)
+    torch.manual_seed(0)
+    model = K3ForCausalLM(cfg)
+    res = fit(model, _batches(), _train_cfg(optimizer))
+    return [r["loss"] for r in res.history], model
+
+
+def test_fsdp_gradients_equal_one_process(fsdp_runs):
+    for balancer, ranks in fsdp_runs.items():
+        for r in ranks:
+            assert r["grad_err"] < 1e-5, (balancer, r["grad_err"])
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_fsdp_losses_equal_one_process(fsdp_runs, optimizer):
+    for balancer, ranks in fsdp_runs.items():
+        ref, _ = _one_process(balancer, optimizer)
+        assert ranks[0][optimizer] == ranks[1][optimizer]  # every rank reports the same global loss
+        for a, b in zip(ranks[0][optimizer], ref):
+            assert abs(a - b) / abs(b) < 1e-6, (balancer, optimizer, ranks[0][optimizer], ref)
+
+
+def test_balancer_loads_equal_one_process(fsdp_runs):
+    """The all-reduced expert loads of the last step are the whole batch's: equal on every rank and
+    to one process, for Quantile Balancing and the loss-free balancer (whose biases steer them)."""
+    for balancer, ranks in fsdp_runs.items():
+        _, model = _one_process(balancer, "muon")
+        ref = [m.balancer.metrics()["load"].tolist() for m in model.modules() if hasattr(m, "balancer")]
+        assert ranks[0]["loads"] == ranks[1]["loads"] == ref, balancer
+
+
+def test_world_size_one_equals_fit():
+    cfg = ModelConfig.preset("tiny")
+    for optimizer in ("adamw", "muon"):
+        ref, _ = _one_process(cfg.balancer, optimizer)
+        got = train_parallel(cfg, _train_cfg(optimizer), ParallelOptions(), _batches())["losses"]
+        assert got == ref, optimizer
+
+
+def test_bad_dims_name_the_field():
+    for kw, field in ((dict(world_size=4, cp=3), "cp="), (dict(world_size=4, ep=3), "ep="),
+                      (dict(world_size=4, dp_shard=3, cp=2), "dp_shard="), (dict(world_size=0), "world_size=")):
+        with pytest.raises(ValueError, match=field):
+            ParallelDims(**kw)
+    cfg = ModelConfig.preset("tiny")
+    with pytest.raises(ValueError, match="n_routed_experts"):
+        ParallelDims(6, ep=3).check_model(cfg, 6, 64)  # tiny has 8 experts
+    with pytest.raises(ValueError, match="batch_size"):
+        ParallelDims(4).check_model(cfg, 6, 64)
+    with pytest.raises(ValueError, match="seq_len"):
+        ParallelDims(4, cp=4).check_model(cfg, 8, 66)
+    with pytest.raises(ValueError, match="torchrun"):
+        init_groups(ParallelDims(2))
+
+
+def _torchrun(nproc, *args, env=None, timeout=240):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "-m", "k3lab.parallel.run", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})))
+
+
+def test_cli_under_torchrun_and_alone(tmp_path):
+    common = ["--steps", "2", "--data", "random", "--batch-size", "4", "--seq-len", "32"]
+    run = _torchrun(2, *common, "--metrics", str(tmp_path / "m2.json"))
+    assert run.returncode == 0, run.stderr[-3000:]
+    m2 = json.loads((tmp_path / "m2.json").read_text())
+    alone = subprocess.run([sys.executable, "-m", "k3lab.parallel.run", *common, "--metrics", str(tmp_path / "m1.json")],
+                           capture_output=True, text=True, timeout=240)
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    m1 = json.loads((tmp_path / "m1.json").read_text())
+    assert (m2["world_size"], m1["world_size"]) == (2, 1)
+    assert len(m2["losses"]) == 2 and all(math.isfinite(v) for v in m2["losses"])
+    for a, b in zip(m2["losses"], m1["losses"]):
+        assert abs(a - b) / b < 1e-6
+    with pytest.raises(ValueError, match="cp=2"):  # alone = world size 1: cp=2 cannot divide it
+        run_main(["--cp", "2", "--data", "random"])
+
+
+def test_dead_rank_ends_the_run_with_an_error(tmp_path):
+    """Rank 1 exits at step 1; rank 0 is inside a collective. torchrun must end the run, naming
+    the failed rank, well within the process-group timeout (no hang)."""
+    t0 = time.monotonic()
+    run = _torchrun(2, "--steps", "3", "--data", "random", "--batch-size", "4", "--seq-len", "32", "--timeout", "30",
+                    env={"K3LAB_FAULT_RANK_STEP": "1:1"}, timeout=120)
+    took = time.monotonic() - t0
+    assert run.returncode != 0
+    assert re.search(r"Root Cause[\s\S]*?rank\s*:\s*1 ", run.stderr), run.stderr[-2000:]
+    assert took < 90, took
