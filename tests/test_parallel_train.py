@@ -10,7 +10,6 @@ import time
 import pytest
 import torch
 
-from dist_util import run_ranks
 from k3lab.config import ModelConfig
 from k3lab.data import batch_iterator
 from k3lab.model import IGNORE_INDEX, K3ForCausalLM
@@ -18,6 +17,7 @@ from k3lab.moe.router import SigmoidRouter
 from k3lab.parallel.dims import ParallelDims, init_groups
 from k3lab.parallel.parallelize import parallelize
 from k3lab.parallel.run import main as run_main
+from k3lab.parallel.spawn import run_ranks
 from k3lab.parallel.trainer import ParallelOptions, local_batch, train_parallel
 from k3lab.testing import rel_err
 from k3lab.train import TrainConfig, fit

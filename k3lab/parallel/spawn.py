@@ -1,4 +1,12 @@
-"""Spawning W gloo processes from a test: one file store, a timeout, one thread each, results by file."""
+"""Run a function on W local gloo processes from a test or a notebook (the CPU stand-in for torchrun).
+
+Each process: one torch thread, ``init_process_group("gloo")`` on a file store with a timeout (a
+rank that dies or waits in a mismatched collective ends the run with an error, never a hang),
+``fn(rank, world, *args)``, ``destroy_process_group()``. Results come back through files in a
+temporary folder (pickled by these processes themselves, read back by the caller).
+``fn`` must be importable (a module-level function), since ``spawn`` starts fresh interpreters:
+notebooks call functions from :mod:`k3lab.parallel.demos`.
+"""
 from __future__ import annotations
 
 import datetime
@@ -10,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-TIMEOUT_S = 60
+TIMEOUT_S = 60  # seconds a collective may wait before the process group raises
 
 
 def _entry(rank: int, world: int, init: str, out_dir: str, fn, args):
