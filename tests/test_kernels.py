@@ -264,3 +264,28 @@ def test_packed_bad_inputs_raise(chunk, cu_seqlens, B, h0_shape, match):
     h0 = None if h0_shape is None else torch.zeros(h0_shape)
     with pytest.raises(ValueError, match=match):
         chunk(q, q, v, q, beta, initial_state=h0, cu_seqlens=cu_seqlens)
+
+
+@needs_kernels
+@pytest.mark.parametrize("K, V", [(16, 16), (32, 16), pytest.param(128, 128, marks=pytest.mark.gpu)],
+                         ids=["K16-V16", "K32-V16", "K128-V128"])
+def test_kcp_augmented_call(K, V):
+    """KCP's summary call (k3lab.parallel.context): values ``[v | 0_K]`` (width V+K ≤ 256) from the state
+    ``[0 | I]`` give the final state ``[S̃ | M]`` and output columns ``[o⁰ | r]`` — on the Triton kernels
+    as on the reference, gradients included (the backward of the whole KCP step runs through it)."""
+    T = 80 if K == 128 else 70
+    q, k, v, g, beta, _ = kda_inputs(1, T, 2, K, V, torch.float32, seed=K + V, with_state=False)
+    v_aug = torch.cat([v, torch.zeros(*v.shape[:-1], K, device=DEVICE)], -1)                 # [B, T, H, V+K]
+    h0 = torch.cat([torch.zeros(1, 2, K, V), torch.eye(K).expand(1, 2, K, K)], -1).to(DEVICE)  # [B, H, K, V+K]
+    leaves = [x.clone().requires_grad_() for x in (q, k, v_aug, g, beta)]
+    o, ht = kda_chunk(*leaves, initial_state=h0, output_final_state=True)
+    gen = torch.Generator().manual_seed(3)
+    do, dht = torch.randn(o.shape, generator=gen).to(DEVICE), torch.randn(ht.shape, generator=gen).to(DEVICE)
+    torch.autograd.backward([o, ht], [do, dht])
+    ref = [x.detach().double().requires_grad_() for x in (q, k, v_aug, g, beta)]
+    o_ref, ht_ref = reference_chunk(*ref, initial_state=h0.double(), output_final_state=True)
+    torch.autograd.backward([o_ref, ht_ref], [do.double(), dht.double()])
+    assert_close("o", o_ref, o, TOL[torch.float32])
+    assert_close("[S~ | M]", ht_ref, ht, TOL[torch.float32])
+    for name, got, want in zip(("dq", "dk", "dv", "dg", "dbeta"), leaves, ref):
+        assert_close(name, want.grad, got.grad, TOL[torch.float32])

@@ -102,11 +102,14 @@ def _subgroups(world: int, size: int, consecutive: bool, timeout: datetime.timed
 def init_groups(dims: ParallelDims, device_type: str = "cpu", timeout_s: float = DEFAULT_TIMEOUT_S) -> ParallelGroups:
     """Process groups for ``dims`` on the already-initialised default group (torchrun or a test).
 
-    Without an initialised default group the run is one process: every group is None."""
+    Without an initialised default group, or with a group of one rank (``torchrun --nproc_per_node 1``),
+    the run is one process: every group is None and nothing is wrapped or communicated."""
     if not dist.is_initialized():
         if dims.world_size != 1:
             raise ValueError(f"parallel dims: world_size={dims.world_size} but torch.distributed is not "
                              "initialised (launch with torchrun)")
+        return ParallelGroups(dims, 0, None, None, None, None)
+    if dims.world_size == 1 and dist.get_world_size() == 1:
         return ParallelGroups(dims, 0, None, None, None, None)
     if dist.get_world_size() != dims.world_size:
         raise ValueError(f"parallel dims: world_size={dims.world_size} but the process group has "

@@ -118,7 +118,7 @@ def _train(model_cfg, train_cfg, opts, batches, device, resume_from, stop_at, on
     x0, _ = batches(0)
     dims.check_model(model_cfg, x0.shape[0], x0.shape[1])
     groups = init_groups(dims, device.type, opts.timeout_s)
-    rank, distributed = groups.rank, groups.world is not None
+    rank, distributed = groups.rank, groups.world is not None and dims.world_size > 1
 
     torch.manual_seed(train_cfg.seed)
     model = K3ForCausalLM(model_cfg)
