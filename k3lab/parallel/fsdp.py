@@ -62,7 +62,8 @@ def apply_fsdp(model: nn.Module, mesh, expert_params: set[nn.Parameter], param_d
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)      # Σ over ranks, not the mean
-            module.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
+            if hasattr(module, "set_force_sum_reduction_for_comms"):
+                module.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
     # K3's sublayers return views (``y.view(B, T, D)``); nothing here modifies them in place
     # (the residual stream adds out of place), which is the case FSDP2's warning is about
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
