@@ -15,7 +15,9 @@ Three separable pieces, so that expert parallelism replaces only the middle one:
 
 1. routing: :class:`~k3lab.moe.router.SigmoidRouter` → RouterOutput (scores, top-k, weights, cutoff);
 2. dispatch/combine: :class:`LocalDispatcher` sorts the N·k token slots by expert into contiguous groups
-   and puts them back (an EP all-to-all would do the same across ranks);
+   and puts them back; LatentMoE makes one call, ``u = dispatcher.run(z, topk_idx, topk_weight, experts)``,
+   which the expert-parallel dispatchers of :mod:`k3lab.parallel.expert` (plain EP, MoonEP) replace:
+   all-to-all to the ranks that compute, experts there, all-to-all back;
 3. expert compute: :class:`RoutedExperts` on the sorted slots: a reference loop over experts, a
    grouped-GEMM path (``torch.nn.functional.grouped_mm``, CUDA + bf16) and a padded batched-matmul path
    (few large ops instead of many small ones: the fast choice on CPU), all three equal.
@@ -37,6 +39,7 @@ from k3lab.moe.router import SigmoidRouter, make_balancer
 from k3lab.moe.situ import ACTIVATIONS, SiTUMLP, glu_activation
 
 EXPERT_IMPLS = ("auto", "reference", "padded", "grouped")
+ExpertWeights = tuple[Tensor, Tensor, Tensor]  # (w1 [G, I, L], w3 [G, I, L], w2 [G, L, I])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -50,10 +53,24 @@ class DispatchPlan:
     counts: Tensor   # [E] int64 slots per expert (group sizes of the sorted slots)
     num_tokens: int  # N
     top_k: int       # k
+    data: object = None  # dispatcher-specific (expert parallel: split sizes, the balancing plan)
 
 
 class LocalDispatcher:
-    """Single-device dispatch/combine: a stable sort of the N·k slots by expert, and its inverse."""
+    """Single-device dispatch/combine: a stable sort of the N·k slots by expert, and its inverse.
+
+    Every dispatcher has :meth:`run`, LatentMoE's only call. Expert-parallel dispatchers
+    (:mod:`k3lab.parallel.expert`) replace ``run`` as a whole and also record
+    ``last_slots_per_rank`` ([R] int64: token slots each rank of the EP group computed in the last
+    forward); this one records nothing.
+    """
+
+    def run(self, z: Tensor, topk_idx: Tensor, topk_weight: Tensor, experts: "RoutedExperts") -> Tensor:
+        """z [N, L], topk_idx [N, k], topk_weight [N, k] -> u [N, L] fp32 = Σ_j p_j·E_{T_j}(z):
+        dispatch, ``experts(z_sorted, counts)``, combine."""
+        z_sorted, plan = self.dispatch(z, topk_idx, experts.num_experts)
+        y_sorted = experts(z_sorted, plan.counts)                                   # [N·k, L]
+        return self.combine(y_sorted, plan, topk_weight)                           # [N, L] fp32
 
     def dispatch(self, x: Tensor, topk_idx: Tensor, num_experts: int) -> tuple[Tensor, DispatchPlan]:
         """x [N, L], topk_idx [N, k] -> (x_sorted [N·k, L] grouped by expert, plan)."""
@@ -81,10 +98,16 @@ def grouped_mm_available(x: Tensor) -> bool:
 class RoutedExperts(nn.Module):
     """E gated experts stacked along dim 0: ``w1, w3 [E, I, L]``, ``w2 [E, L, I]`` (no biases).
 
-    forward(x_sorted [S, L], counts [E]) -> [S, L]: rows ``[offs_{e-1}, offs_e)`` go through expert e,
-    ``E_e(z) = w2_e · act(w1_e z, w3_e z)``. ``impl``: "reference" (loop), "grouped" (``F.grouped_mm``;
-    its backward needs CUDA), "padded" (``bmm`` on ``[E, max count, L]``), "auto" = grouped on CUDA
-    with bf16 input, padded otherwise.
+    forward(x_sorted [S, L], counts [G], weights=None) -> [S, L]: rows ``[offs_{g-1}, offs_g)`` go
+    through expert g, ``E_g(z) = w2_g · act(w1_g z, w3_g z)``; G = E with the module's own weights, or
+    the length of ``weights = (w1 [G, I, L], w3 [G, I, L], w2 [G, L, I])`` when given (expert parallel:
+    the local slice with fetched replicas appended). ``impl``: "reference" (loop), "grouped"
+    (``F.grouped_mm``; its backward needs CUDA), "padded" (``bmm`` on ``[G, max count, L]``), "auto" =
+    grouped on CUDA with bf16 input, padded otherwise.
+
+    ``num_experts`` is the global E; under expert parallelism the module holds experts
+    ``[expert_offset, expert_offset + num_local_experts)`` only (``k3lab.parallel.expert``); by default
+    all of them (offset 0, E local).
     """
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, act: str = "situ", beta: float = 4.0,
@@ -99,40 +122,47 @@ class RoutedExperts(nn.Module):
         self.w1 = nn.Parameter(torch.randn(E, I, L) * init_std)
         self.w3 = nn.Parameter(torch.randn(E, I, L) * init_std)
         self.w2 = nn.Parameter(torch.randn(E, L, I) * init_std)
+        self.num_experts, self.expert_offset, self.num_local_experts = E, 0, E
 
-    def forward(self, x: Tensor, counts: Tensor) -> Tensor:
+    def forward(self, x: Tensor, counts: Tensor, weights: ExpertWeights | None = None) -> Tensor:
         if x.is_cuda and torch.is_autocast_enabled("cuda"):
             x = x.to(torch.get_autocast_dtype("cuda"))  # fp32 residual input (standard MoE) -> the grouped path
         impl = self.impl
         if impl == "auto":
             impl = "grouped" if grouped_mm_available(x) else "padded"
-        return getattr(self, f"forward_{impl}")(x, counts)
+        return getattr(self, f"forward_{impl}")(x, counts, weights)
+
+    def _weights(self, weights: ExpertWeights | None) -> ExpertWeights:
+        """(w1, w3, w2): the given ones, or the module's own."""
+        return (self.w1, self.w3, self.w2) if weights is None else weights
 
     def _act(self, gate: Tensor, up: Tensor) -> Tensor:
         return glu_activation(gate, up, self.act, self.beta, self.linear_beta)
 
-    def forward_reference(self, x: Tensor, counts: Tensor) -> Tensor:
+    def forward_reference(self, x: Tensor, counts: Tensor, weights: ExpertWeights | None = None) -> Tensor:
         """Plain loop over experts (one host sync for the group sizes)."""
+        w1, w3, w2 = self._weights(weights)
         outs = []
         for e, xe in enumerate(x.split(counts.tolist())):                           # xe [S_e, L]
-            h = self._act(xe @ self.w1[e].T, xe @ self.w3[e].T)                     # [S_e, I]
-            outs.append(h @ self.w2[e].T)                                           # [S_e, L]
+            h = self._act(xe @ w1[e].T, xe @ w3[e].T)                               # [S_e, I]
+            outs.append(h @ w2[e].T)                                                # [S_e, L]
         return torch.cat(outs)
 
-    def forward_padded(self, x: Tensor, counts: Tensor) -> Tensor:
+    def forward_padded(self, x: Tensor, counts: Tensor, weights: ExpertWeights | None = None) -> Tensor:
         """Scatter the groups into ``[E, C, L]`` (C = largest group, zero padding), three ``bmm``, gather back."""
+        w1, w3, w2 = self._weights(weights)
         E, S = counts.numel(), x.shape[0]
         starts = counts.cumsum(0) - counts                                          # [E]
         expert = torch.repeat_interleave(torch.arange(E, device=x.device), counts, output_size=S)  # [S]
         slot = torch.arange(S, device=x.device) - starts[expert]                    # [S] position in its group
         x_pad = x.new_zeros(E, int(counts.max()), x.shape[1]).index_put((expert, slot), x)  # [E, C, L]
-        h = self._act(torch.bmm(x_pad, self.w1.mT), torch.bmm(x_pad, self.w3.mT))  # [E, C, I]
-        return torch.bmm(h, self.w2.mT)[expert, slot]                               # [S, L]
+        h = self._act(torch.bmm(x_pad, w1.mT), torch.bmm(x_pad, w3.mT))            # [E, C, I]
+        return torch.bmm(h, w2.mT)[expert, slot]                                    # [S, L]
 
-    def forward_grouped(self, x: Tensor, counts: Tensor) -> Tensor:
+    def forward_grouped(self, x: Tensor, counts: Tensor, weights: ExpertWeights | None = None) -> Tensor:
         """One ``F.grouped_mm`` per projection over the jagged groups (offsets = cumulative counts)."""
         offs = counts.cumsum(0).to(torch.int32)                                     # [E] group ends
-        w1, w3, w2 = (w.to(x.dtype) for w in (self.w1, self.w3, self.w2))
+        w1, w3, w2 = (w.to(x.dtype) for w in self._weights(weights))
         h = self._act(F.grouped_mm(x, w1.transpose(-2, -1), offs=offs),
                       F.grouped_mm(x, w3.transpose(-2, -1), offs=offs))             # [S, I]
         return F.grouped_mm(h, w2.transpose(-2, -1), offs=offs)                     # [S, L]
@@ -178,9 +208,7 @@ class LatentMoE(nn.Module):
         route = self.gate(h)
         self.aux_loss = self.balancer.observe(route) if self.training else None
         z = self.routed_expert_down_proj(h) if self.latent else h                   # [N, L]
-        z_sorted, plan = self.dispatcher.dispatch(z, route.topk_idx, self.num_experts)
-        y_sorted = self.experts(z_sorted, plan.counts)                              # [N·k, L]
-        u = self.dispatcher.combine(y_sorted, plan, route.topk_weight)             # [N, L] fp32
+        u = self.dispatcher.run(z, route.topk_idx, route.topk_weight, self.experts)  # [N, L] fp32
         if self.latent:
             if self.routed_expert_norm is not None:
                 u = F.rms_norm(u, (u.shape[-1],), self.routed_expert_norm.weight.float(), self.eps)
