@@ -9,6 +9,7 @@ ratio CLI / plain; the losses of both runs are compared too (they should agree t
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import subprocess
@@ -31,8 +32,12 @@ def plain(args) -> dict:
     tc = TrainConfig(steps=args.steps, lr=args.lr, seed=args.seed, device="cuda", dtype=args.dtype, progress=False)
     hist = fit(model, batches_for("corpus", cfg, args.batch_size, args.seq_len, args.seed), tc).history
     timed = hist[-1]["elapsed"] - hist[0]["elapsed"]
-    return dict(losses=[r["loss"] for r in hist], tokens_per_s=(len(hist) - 1) * args.batch_size * args.seq_len / timed,
-                peak_gib=torch.cuda.max_memory_allocated() / 2**30)
+    out = dict(losses=[r["loss"] for r in hist], tokens_per_s=(len(hist) - 1) * args.batch_size * args.seq_len / timed,
+               peak_gib=torch.cuda.max_memory_allocated() / 2**30)
+    del model, hist
+    gc.collect()
+    torch.cuda.empty_cache()  # the CLI run is another process on the same GPU
+    return out
 
 
 def cli(args) -> dict:
@@ -41,7 +46,9 @@ def cli(args) -> dict:
            "k3lab.parallel.run", "--preset", args.preset, "--steps", str(args.steps), "--seed", str(args.seed),
            "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len), "--lr", str(args.lr),
            "--dtype", args.dtype, "--device", "cuda", "--metrics", str(out)]
-    subprocess.run(cmd, check=True, env=dict(os.environ))
+    run = subprocess.run(cmd, env=dict(os.environ), capture_output=True, text=True)
+    if run.returncode != 0:
+        raise RuntimeError(f"CLI run failed ({run.returncode}):\n{run.stdout[-3000:]}\n{run.stderr[-6000:]}")
     return json.loads(out.read_text())
 
 
