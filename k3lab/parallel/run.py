@@ -32,9 +32,9 @@ from k3lab.backend import DEVICES
 from k3lab.config import PRESETS, ModelConfig
 from k3lab.parallel.context import CP_LAYOUTS
 from k3lab.parallel.dims import DEFAULT_TIMEOUT_S
+from k3lab.parallel.expert import EP_KINDS
 from k3lab.train import DTYPES, OPTIMIZERS, TrainConfig
 
-EP_KINDS_CLI = ("moonep", "ep")
 PROGRESS_PREFIX = "K3LAB_PROGRESS "  # rank 0 prints "K3LAB_PROGRESS step/steps loss" for launch()'s bar
 
 
@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dp-shard", type=int, default=-1, help="-1: world_size / cp")
     p.add_argument("--cp", type=int, default=1)
     p.add_argument("--ep", type=int, default=1)
-    p.add_argument("--ep-kind", default="moonep", choices=EP_KINDS_CLI)
+    p.add_argument("--ep-kind", default="moonep", choices=EP_KINDS)
     p.add_argument("--cp-layout", default="contiguous", choices=CP_LAYOUTS)
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--balancer", default=None, help="override the preset's balancer")
