@@ -157,3 +157,25 @@ def test_dead_rank_ends_the_run_with_an_error(tmp_path):
     assert run.returncode != 0
     assert re.search(r"Root Cause[\s\S]*?rank\s*:\s*1 ", run.stderr), run.stderr[-2000:]
     assert took < 90, took
+
+
+def _e2e_worker(rank, world, ep_kind, layout):
+    cfg = ModelConfig.preset("tiny").replace(num_nextn_predict_layers=1)  # MTP on: its shift crosses CP slices
+    opts = ParallelOptions(cp=2, ep=2, ep_kind=ep_kind, cp_layout=layout)
+    return train_parallel(cfg, _train_cfg("muon"), opts, _batches())
+
+
+def test_ep_cp_fsdp_end_to_end_equals_one_process():
+    """4 ranks = dp_shard 2 × cp 2 (zigzag), experts over ep 2 (MoonEP), MTP on, Muon with fp32
+    Newton–Schulz: 3 steps give the one-process losses within 1e-5, and MoonEP computes exactly S·K
+    token slots on every EP rank (S = 2 rows × 32 tokens of a rank, K = 2). (Plain EP's parity is
+    tested layer by layer in test_parallel_expert.py.)"""
+    cfg = ModelConfig.preset("tiny").replace(num_nextn_predict_layers=1)
+    torch.manual_seed(0)
+    ref = [r["loss"] for r in fit(K3ForCausalLM(cfg), _batches(), _train_cfg("muon")).history]
+    moon = run_ranks(_e2e_worker, 4, "moonep", "zigzag")
+    assert all(r["losses"] == moon[0]["losses"] for r in moon)
+    for a, b in zip(moon[0]["losses"], ref):
+        assert abs(a - b) / b < 1e-5, (moon[0]["losses"], ref)
+    S_K = 2 * 32 * cfg.num_experts_per_tok
+    assert moon[0]["slots_per_rank"] and all(slots == [S_K, S_K] for slots in moon[0]["slots_per_rank"])
