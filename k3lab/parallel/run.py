@@ -119,7 +119,7 @@ def launch(nproc: int, *args: str, timeout: float = 600.0, progress: bool = True
     """Run ``torchrun --standalone --nproc_per_node nproc -m k3lab.parallel.run *args`` and return
     rank 0's metrics. A tqdm bar follows rank 0's steps. Raises RuntimeError with the tail of the
     output when the run fails (a dead rank, a bad flag) or takes longer than ``timeout`` seconds."""
-    from tqdm.auto import tqdm
+    from tqdm import tqdm  # the text bar: its final state is what a saved notebook shows (a widget's is not)
 
     if not isinstance(nproc, int) or nproc < 1:
         raise ValueError(f"launch: nproc={nproc!r} must be an int >= 1")
@@ -130,7 +130,7 @@ def launch(nproc: int, *args: str, timeout: float = 600.0, progress: bool = True
     full_env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), **(env or {}))
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env)
     lines: list[str] = []
-    bar = tqdm(total=steps, desc=f"torchrun ×{nproc}", disable=not progress)
+    bar = tqdm(total=steps, desc=f"torchrun ×{nproc}", disable=not progress, file=sys.stdout)
     t0 = time.monotonic()
     try:
         for line in proc.stdout:
