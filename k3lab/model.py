@@ -31,10 +31,9 @@ from torch import nn
 
 from k3lab.config import ModelConfig
 from k3lab.mixers.kda import KDA
-from k3lab.mixers.mla import GatedMLA
+from k3lab.mixers.mla import GatedMLA, qk_clip_
 from k3lab.moe.latent import LatentMoE
 from k3lab.moe.situ import SiTUMLP
-from k3lab.optim import qk_clip_
 from k3lab.outputs import CausalLMOutput
 from k3lab.residual import PreNormStream, residual_stream
 

@@ -34,7 +34,7 @@ from k3lab.kernels.kda_backward import (kda_bwd_dg_kernel, kda_bwd_dv_local_kern
 from k3lab.kernels.kda_decode import kda_decode_kernel
 from k3lab.kernels.kda_forward import (kda_fwd_gate_kernel, kda_fwd_output_kernel, kda_fwd_scores_kernel,
                                       kda_fwd_solve_kernel, kda_fwd_state_kernel, kda_fwd_wu_kernel)
-from k3lab.mixers.chunk import check_cu_seqlens
+from k3lab.packing import check_cu_seqlens
 
 Tensor = torch.Tensor
 

@@ -244,3 +244,55 @@ class GatedMLA(nn.Module):
     def extra_repr(self) -> str:
         pos = "RoPE" if self.use_rope else "NoPE"
         return f"heads={self.num_heads}, qk={self.qk_nope_head_dim}+{self.qk_rope_head_dim}, v={self.v_head_dim}, {pos}, gate={self.use_output_gate}"
+
+
+# ----------------------------------------------------------------------------------------------
+# QK-Clip (MuonClip, K2 §2.1)
+# ----------------------------------------------------------------------------------------------
+@torch.no_grad()
+def qk_clip_(mla: nn.Module, tau: float = 100.0) -> Tensor:
+    """Rescale an MLA layer's query/key weights so that no head's max pre-softmax logit exceeds τ.
+
+    Reads ``mla.max_logit [H]`` (max over the last batch of ``q·k/sqrt(d_qk)``). For each head with
+    ``S_max^h > τ``: ``γ_h = τ/S_max^h``; the head's q-nope rows of ``q_b_proj`` and k-nope rows of
+    ``kv_b_proj`` are scaled by ``sqrt(γ_h)`` (their product by γ_h), its q-rope rows by γ_h, and the
+    shared k-rope (from ``kv_a_proj_with_mqa``) is untouched, so every logit of head h scales by γ_h.
+    Row layout per head: ``q_b_proj`` = [q_nope; q_rope], ``kv_b_proj`` = [k_nope; v] (v untouched).
+    Returns γ [H] (1 where no clip). ``mla.max_logit`` is updated to the clipped value.
+    """
+    H, dn, dr, dv = mla.num_heads, mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim
+    s_max = mla.max_logit.float()                                               # [H]
+    if s_max.shape != (H,):
+        raise ValueError(f"qk_clip_: mla.max_logit must have shape [{H}], got {tuple(s_max.shape)}")
+    gamma = torch.where(s_max > tau, tau / s_max.clamp_min(1e-30), torch.ones_like(s_max))  # [H]
+    sq = gamma.sqrt()[:, None]                                                  # [H, 1]
+    q_rows = torch.cat([sq.expand(H, dn), gamma[:, None].expand(H, dr)], 1)     # [H, dn+dr] per q_b_proj row
+    kv_rows = torch.cat([sq.expand(H, dn), torch.ones(H, dv, device=gamma.device)], 1)  # [H, dn+dv]
+    scale_rows_(mla.q_b_proj.weight, q_rows.reshape(-1))
+    scale_rows_(mla.kv_b_proj.weight, kv_rows.reshape(-1))
+    mla.max_logit.copy_(torch.minimum(s_max, torch.full_like(s_max, tau)).to(mla.max_logit.dtype))
+    return gamma
+
+
+@torch.no_grad()
+def scale_rows_(weight: Tensor, row_scale: Tensor) -> None:
+    """``weight[i, :] *= row_scale[i]`` in place; for an FSDP2 DTensor (``Shard(0)``, torch.chunk rows)
+    only this rank's rows are touched, so no gather is needed."""
+    if hasattr(weight, "to_local"):
+        local = weight.to_local()
+        (mesh_axis,) = [i for i, p in enumerate(weight.placements) if p.is_shard()] or [None]
+        if mesh_axis is None:
+            start = 0
+        else:
+            W, r = weight.device_mesh.size(mesh_axis), weight.device_mesh.get_local_rank(mesh_axis)
+            start = min(r * -(-weight.shape[0] // W), weight.shape[0])
+        local.mul_(row_scale[start:start + local.shape[0], None].to(local.device, local.dtype))
+    else:
+        weight.mul_(row_scale[:, None].to(weight.dtype))
+
+
+def qk_clip_model_(model: nn.Module, tau: float = 100.0) -> dict[str, Tensor]:
+    """Apply :func:`qk_clip_` to every module that has ``max_logit`` and ``q_b_proj`` (the MLA layers)."""
+    return {name: qk_clip_(m, tau) for name, m in model.named_modules()
+            if hasattr(m, "max_logit") and hasattr(m, "q_b_proj")}
+
