@@ -159,20 +159,27 @@ def test_dead_rank_ends_the_run_with_an_error(tmp_path):
     assert took < 90, took
 
 
+QK_TAU = 0.07  # below the tiny model's max logits (0.066–0.09 at init): QK-Clip clips
+
+
 def _e2e_worker(rank, world, ep_kind, layout):
-    cfg = ModelConfig.preset("tiny").replace(num_nextn_predict_layers=1)  # MTP on: its shift crosses CP slices
+    cfg = ModelConfig.preset("tiny").replace(num_nextn_predict_layers=1, qk_clip_tau=QK_TAU)
     opts = ParallelOptions(cp=2, ep=2, ep_kind=ep_kind, cp_layout=layout)
     return train_parallel(cfg, _train_cfg("muon"), opts, _batches())
 
 
 def test_ep_cp_fsdp_end_to_end_equals_one_process():
     """4 ranks = dp_shard 2 × cp 2 (zigzag), experts over ep 2 (MoonEP), MTP on, Muon with fp32
-    Newton–Schulz: 3 steps give the one-process losses within 1e-5, and MoonEP computes exactly S·K
+    Newton–Schulz, QK-Clip active (a low τ: each rank clips from the MAX-reduced logits of the whole
+    batch, scaling only its own rows): 3 steps give the one-process losses within 1e-5, and MoonEP computes exactly S·K
     token slots on every EP rank (S = 2 rows × 32 tokens of a rank, K = 2). (Plain EP's parity is
     tested layer by layer in test_parallel_expert.py.)"""
-    cfg = ModelConfig.preset("tiny").replace(num_nextn_predict_layers=1)
+    cfg = ModelConfig.preset("tiny").replace(num_nextn_predict_layers=1, qk_clip_tau=QK_TAU)
     torch.manual_seed(0)
-    ref = [r["loss"] for r in fit(K3ForCausalLM(cfg), _batches(), _train_cfg("muon")).history]
+    one = K3ForCausalLM(cfg)
+    ref = [r["loss"] for r in fit(one, _batches(), _train_cfg("muon")).history]
+    clipped = [m.max_logit for m in one.modules() if hasattr(m, "q_b_proj")]
+    assert any(torch.isclose(t, torch.tensor(QK_TAU)).any() for t in clipped)  # QK-Clip did clip
     moon = run_ranks(_e2e_worker, 4, "moonep", "zigzag")
     assert all(r["losses"] == moon[0]["losses"] for r in moon)
     for a, b in zip(moon[0]["losses"], ref):
