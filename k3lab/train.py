@@ -179,7 +179,7 @@ def _metric_floats(out) -> dict:
     """aux_loss and the scalar entries of out.metrics, as floats for the history."""
     found = {"aux_loss": out.aux_loss} if getattr(out, "aux_loss", None) is not None else {}
     found.update(getattr(out, "metrics", None) or {})
-    return {k: float(v) for k, v in found.items()
+    return {k: float(v.detach() if isinstance(v, torch.Tensor) else v) for k, v in found.items()
             if isinstance(v, (int, float)) or (isinstance(v, torch.Tensor) and v.numel() == 1)}
 
 
