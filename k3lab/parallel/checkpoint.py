@@ -283,11 +283,29 @@ def _rng_json(rank: int, world: int) -> dict:
     return dict(rank=rank, world_size=world, **{k: v.tolist() for k, v in tensors.items()}, **plain)
 
 
+def _as_dtensors(tensors: dict, local_shards: dict | None) -> dict:
+    """Present the plain per-rank slices named in ``local_shards`` (model FQN -> (mesh, placements),
+    e.g. expert-parallel expert slices: ``[Replicate(), Shard(0)]`` on the ``(edp, ep)`` mesh) as the
+    DTensors they are, for the parameter and each of its optimizer moments of the same shape, so that
+    DCP saves every slice and re-shards them on load. Other entries are returned unchanged."""
+    if not local_shards:
+        return tensors
+    out = dict(tensors)
+    for key, t in tensors.items():
+        parts = key.split("/")
+        fqn = parts[1] if parts[0] == "model" else parts[2] if parts[:2] == ["optim", "state"] else None
+        if fqn in local_shards and not isinstance(t, DTensor) and t.ndim >= 1:
+            mesh, placements = local_shards[fqn]
+            out[key] = DTensor.from_local(t, mesh, placements, run_check=False)
+    return out
+
+
 def save_distributed(run_dir, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None,
-                     extra: dict, keep: int = 2, group=None) -> Path:
+                     extra: dict, keep: int = 2, group=None, local_shards: dict | None = None) -> Path:
     """Save ``model`` and ``optimizer`` (sharded, via DCP) plus ``extra`` (plain JSON data) as
     ``run_dir/ckpt-<step:08d>``; call on every rank of ``group`` (None: the default group, or no
     group at all). Atomic (see the module docstring); keeps the ``keep`` newest checkpoints.
+    ``local_shards``: plain parameters that are per-rank slices (:func:`_as_dtensors`).
     Returns the checkpoint folder."""
     run_dir = Path(run_dir)
     if not isinstance(step, int) or step < 0:
@@ -313,6 +331,7 @@ def save_distributed(run_dir, step: int, model: nn.Module, optimizer: torch.opti
     except Exception as err:  # noqa: BLE001 (re-raised on this rank by _all_ok)
         error = err
     _all_ok(error, "building the state dicts", group)
+    tensors = _as_dtensors(tensors, local_shards)
     _check_replicated(tensors, group)
 
     error = None
@@ -372,11 +391,12 @@ def resolve_distributed_checkpoint(path) -> Path:
 
 
 def load_distributed(path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                     group=None) -> dict:
+                     group=None, local_shards: dict | None = None) -> dict:
     """Load a :func:`save_distributed` checkpoint (folder, or run folder with ``latest``) into
     ``model`` (and ``optimizer``) in place, at any world size; call on every rank of ``group``
     (None: the default group, or no group at all). Build the same model (and optimizer, same param
-    groups, no gradients held) first, sharded as this run needs.
+    groups, no gradients held) first, sharded as this run needs; ``local_shards`` as for the save
+    (this run's per-rank slices; they may differ from the saved run's).
 
     Returns ``extra`` as saved, plus ``path``, ``step`` (when extra has none), ``world_size_saved``,
     ``rng_restored`` and, when something could not be restored, ``warnings`` (a list of strings).
@@ -418,8 +438,10 @@ def load_distributed(path, model: nn.Module, optimizer: torch.optim.Optimizer | 
     if absent or not_tensor:
         raise ValueError(f"{path / METADATA}: keys missing {absent[:8]} or not stored as tensors {not_tensor[:8]}")
 
+    wrapped = _as_dtensors(targets, local_shards)
     with _single_process_quiet():
-        dcp.load(targets, storage_reader=dcp.FileSystemReader(path), process_group=group, no_dist=not _distributed())
+        dcp.load(wrapped, storage_reader=dcp.FileSystemReader(path), process_group=group, no_dist=not _distributed())
+    targets = {k: (wrapped[k].to_local() if wrapped[k] is not t else t) for k, t in targets.items()}
     model_sd = _join(structure["model"], targets)
     if optimizer is None:
         set_model_state_dict(model, model_sd)

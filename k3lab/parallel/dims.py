@@ -85,6 +85,7 @@ class ParallelGroups:
     ep: dist.ProcessGroup | None        # this rank's expert-parallel group
     edp: dist.ProcessGroup | None       # ranks holding the same expert slice
     mesh: object | None = None          # 1-D DeviceMesh over all ranks (FSDP2 wants a flat dp_shard·cp mesh)
+    expert_mesh: object | None = None   # 2-D ("edp", "ep") DeviceMesh: how EP expert slices are laid out (DCP)
 
 
 def _subgroups(world: int, size: int, consecutive: bool, timeout: datetime.timedelta, rank: int):
@@ -122,7 +123,9 @@ def init_groups(dims: ParallelDims, device_type: str = "cpu", timeout_s: float =
     ep = _subgroups(W, dims.ep, True, timeout, rank) if dims.ep > 1 else None
     edp = _subgroups(W, dims.ep, False, timeout, rank) if dims.ep < W else None
     mesh = init_device_mesh(device_type, (W,), mesh_dim_names=("fsdp",))
-    return ParallelGroups(dims, rank, dist.group.WORLD, cp, ep, edp, mesh)
+    expert_mesh = (init_device_mesh(device_type, (W // dims.ep, dims.ep), mesh_dim_names=("edp", "ep"))
+                   if dims.ep > 1 else None)
+    return ParallelGroups(dims, rank, dist.group.WORLD, cp, ep, edp, mesh, expert_mesh)
 
 
 def init_process_group_from_env(device_type: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> bool:

@@ -95,6 +95,16 @@ def _slots_per_rank(model: nn.Module) -> list[list[int]]:
     return out
 
 
+def _expert_layout(model: nn.Module, experts: set, groups) -> dict | None:
+    """EP expert slices as DCP must see them: ``Shard(0)`` (experts) over "ep", replicated over "edp"."""
+    if not experts:
+        return None
+    from torch.distributed.tensor import Replicate, Shard
+
+    return {name: (groups.expert_mesh, [Replicate(), Shard(0)]) for name, p in model.named_parameters()
+            if p in experts}
+
+
 def train_parallel(model_cfg: ModelConfig, train_cfg: TrainConfig, opts: ParallelOptions, batches,
                    resume_from: str | None = None, stop_at: int | None = None, on_step=None) -> dict:
     """Train ``K3ForCausalLM(model_cfg)`` (built with ``torch.manual_seed(train_cfg.seed)``) on
@@ -130,11 +140,12 @@ def _train(model_cfg, train_cfg, opts, batches, device, resume_from, stop_at, on
                                 **train_cfg.optimizer_kwargs)
     torch.manual_seed(train_cfg.seed)
     params = [p for p in model.parameters() if p.requires_grad]
+    local_shards = _expert_layout(model, experts, groups)
     step, history = 0, []
     if resume_from is not None:
         from k3lab.parallel.checkpoint import load_distributed
 
-        extra = load_distributed(resume_from, model, optimizer)
+        extra = load_distributed(resume_from, model, optimizer, local_shards=local_shards)
         step, history = extra["step"], extra["history"]
     end = train_cfg.steps if stop_at is None else min(train_cfg.steps, stop_at)
     bar = tqdm(total=train_cfg.steps, initial=step, desc=train_cfg.name,
@@ -186,7 +197,8 @@ def _train(model_cfg, train_cfg, opts, batches, device, resume_from, stop_at, on
 
                 save_distributed(train_cfg.out_dir, step, model, optimizer,
                                  dict(step=step, history=history, world_size=dims.world_size,
-                                      dims=dataclasses.asdict(dims)), keep=train_cfg.keep_checkpoints)
+                                      dims=dataclasses.asdict(dims)), keep=train_cfg.keep_checkpoints,
+                                 local_shards=local_shards)
     finally:
         bar.close()
     return dict(world_size=dims.world_size, dims=dataclasses.asdict(dims), ep_kind=opts.ep_kind,
