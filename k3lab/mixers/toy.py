@@ -20,19 +20,18 @@ then the mixer, a head-wise RMSNorm and ``o_proj``. Per mixer:
 
 Labels are pre-aligned (``loss = CE(logits[:, t], labels[:, t])``, ignore_index -100).
 
-The MQAR harness below (:func:`train_mqar`) trains one such model with :func:`k3lab.train.fit` on
-a mix of key-value-pair counts and reports recall accuracy per count (zoology's convention).
+The MQAR harness that trains these models (:func:`k3lab.experiments.mqar.train_mqar`) lives above
+the trainer, in :mod:`k3lab.experiments.mqar`: this module imports neither ``k3lab.train`` nor
+``k3lab.data`` (lower layers never import upper ones).
 """
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from k3lab.data import mqar
 from k3lab.mixers import chunk
 from k3lab.mixers.kda import ShortConvolution, inverse_softplus_dt_bias, kda_gate, l2norm
 from k3lab.outputs import CausalLMOutput
-from k3lab.train import TrainConfig, fit
 
 MIXER_NAMES = ("linear", "retnet", "mamba2", "deltanet", "gated_deltanet", "kda", "softmax")
 DELTA_MIXERS = ("deltanet", "gated_deltanet", "kda")
@@ -163,52 +162,3 @@ class MixerLM(nn.Module):
         if labels is not None:
             loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
         return CausalLMOutput(loss=loss, logits=logits)
-
-
-def mqar_mixture(vocab_size: int, seq_len: int, pairs_grid, batch_size: int, num_batches: int, seed: int = 0):
-    """``step -> (inputs, labels)``: MQAR batches cycling through ``pairs_grid`` (batch ``s`` has
-    ``pairs_grid[s % len]`` pairs), fixed in advance so that a step always gets the same batch."""
-    P = len(pairs_grid)
-    per_count = -(-num_batches // P) * batch_size
-    sets = [mqar(vocab_size, per_count, seq_len, pairs, seed=seed + 1000 * i) for i, pairs in enumerate(pairs_grid)]
-
-    def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        inputs, labels = sets[step % P]
-        rows = slice((step // P) * batch_size % per_count, (step // P) * batch_size % per_count + batch_size)
-        return inputs[rows], labels[rows]
-
-    return batch
-
-
-@torch.no_grad()
-def recall_accuracy(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor) -> float:
-    """Fraction of query positions (``labels != -100``) where the argmax logit is the bound value."""
-    was_training = model.training
-    model.eval()
-    device = next(model.parameters()).device
-    logits = model(inputs.to(device)).logits
-    model.train(was_training)
-    query = labels.to(device) != -100
-    return (logits.argmax(-1)[query] == labels.to(device)[query]).float().mean().item()
-
-
-def train_mqar(mixer: str, pairs_grid=(2, 4, 8, 16), *, vocab_size: int = 64, seq_len: int = 64, d_model: int = 32,
-               n_layers: int = 1, num_heads: int = 2, steps: int = 250, batch_size: int = 32, lr: float = 1e-2,
-               test_examples: int = 256, device: str = "cpu", seed: int = 0) -> dict:
-    """Train a :class:`MixerLM` on MQAR mixed over ``pairs_grid`` and measure recall per pair count.
-
-    Returns ``{"accuracy": {pairs: acc}, "params": n, "seconds": s, "final_loss": l}``; the test sets
-    are fresh MQAR draws (other seeds) of ``test_examples`` sequences per pair count.
-    """
-    torch.manual_seed(seed)
-    model = MixerLM(vocab_size, d_model, n_layers, mixer, num_heads)
-    batches = mqar_mixture(vocab_size, seq_len, pairs_grid, batch_size, steps, seed=seed)
-    cfg = TrainConfig(steps=steps, lr=lr, warmup_frac=0.05, device=device, seed=seed, progress=False,
-                      log_every=steps, name=mixer)
-    result = fit(model, batches, cfg)
-    accuracy = {}
-    for i, pairs in enumerate(pairs_grid):
-        inputs, labels = mqar(vocab_size, test_examples, seq_len, pairs, seed=seed + 10_000 + i)
-        accuracy[pairs] = recall_accuracy(model, inputs, labels)
-    return {"accuracy": accuracy, "params": sum(p.numel() for p in model.parameters()),
-            "seconds": result.elapsed, "final_loss": result.history[-1]["loss"]}

@@ -1,0 +1,1 @@
+"""Experiments built on the model layers and the trainer (they sit above ``k3lab.train``)."""
