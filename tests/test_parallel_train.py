@@ -40,32 +40,65 @@ def _biases(model):
     return [m.e_score_correction_bias.detach().clone() for m in model.modules() if isinstance(m, SigmoidRouter)]
 
 
-def _fsdp_worker(rank, world, balancer):
-    cfg = ModelConfig.preset("tiny").replace(balancer=balancer)
-    out = {}
-    # gradients of one step: the sharded model against the whole model in this process
-    x, y = _batches()(0)
-    torch.manual_seed(0)
-    ref = K3ForCausalLM(cfg)
-    ref(x, labels=y).loss.backward()
-    dims = ParallelDims(world)
-    torch.manual_seed(0)
-    model, _ = parallelize(K3ForCausalLM(cfg), init_groups(dims), torch.device("cpu"))
-    xs, ys, shard = local_batch(x, y, dims, rank, int((y != IGNORE_INDEX).sum()), int((y[:, 1:] != IGNORE_INDEX).sum()))
-    model(xs, labels=ys, shard=shard).loss.backward()
-    ref_grads = dict(ref.named_parameters())
-    out["grad_err"] = max(rel_err(p.grad.full_tensor(), ref_grads[n].grad) for n, p in model.named_parameters()
-                          if p.grad is not None)
-    for optimizer in ("adamw", "muon"):
-        metrics = train_parallel(cfg, _train_cfg(optimizer), ParallelOptions(), _batches())
-        out[optimizer] = metrics["losses"]
-    out["loads"] = metrics["expert_loads"]
+def _collectives_smoke(rank, world):
+    """The autograd collectives with uneven and zero splits: values and the adjoint (backward) exchanges."""
+    from k3lab.parallel.collectives import all_gather, all_reduce_sum, all_to_all
+
+    x = (torch.arange(3.0) + 10 * rank).requires_grad_()                      # [3] on every rank
+    g = all_gather(x)                                                         # [W·3]
+    assert g.tolist() == [float(v + 10 * r) for r in range(world) for v in range(3)]
+    (g * torch.arange(float(g.numel()))).sum().backward()
+    # d/dx_r of Σ_s Σ_i c_i g_i = Σ_s (c[r·3 : r·3+3]) summed over the W ranks' losses
+    assert x.grad.tolist() == [float(world * (rank * 3 + i)) for i in range(3)]
+    splits = [rank + r for r in range(world)]                                  # rank r sends r+s rows to s
+    splits[0] = 0 if rank == 0 else splits[0]                                  # a zero split
+    y = torch.full((sum(splits), 2), float(rank), requires_grad=True)
+    out_splits = [(0 if (s == 0 and rank == 0) else s + rank) for s in range(world)]
+    z = all_to_all(y, out_splits, splits)
+    assert z[:, 0].tolist() == [float(s) for s in range(world) for _ in range(out_splits[s])]
+    (z * (rank + 1)).sum().backward()
+    assert y.grad[:, 0].tolist() == [float(s + 1) for s in range(world) for _ in range(splits[s])]
+    w = torch.tensor([float(rank)], requires_grad=True)
+    total = all_reduce_sum(w)
+    total.sum().backward()
+    assert total.item() == sum(range(world)) and w.grad.item() == world
+    return True
+
+
+def _fsdp_worker(rank, world, balancers):
+    out = {"collectives": _collectives_smoke(rank, world)}
+    for balancer in balancers:
+        cfg = ModelConfig.preset("tiny").replace(balancer=balancer)
+        # gradients of one step: the sharded model against the whole model in this process
+        x, y = _batches()(0)
+        torch.manual_seed(0)
+        ref = K3ForCausalLM(cfg)
+        ref(x, labels=y).loss.backward()
+        dims = ParallelDims(world)
+        torch.manual_seed(0)
+        model, _ = parallelize(K3ForCausalLM(cfg), init_groups(dims), torch.device("cpu"))
+        xs, ys, shard = local_batch(x, y, dims, rank, int((y != IGNORE_INDEX).sum()),
+                                    int((y[:, 1:] != IGNORE_INDEX).sum()))
+        model(xs, labels=ys, shard=shard).loss.backward()
+        ref_grads = dict(ref.named_parameters())
+        res = {"grad_err": max(rel_err(p.grad.full_tensor(), ref_grads[n].grad) for n, p in model.named_parameters()
+                               if p.grad is not None)}
+        for optimizer in ("adamw", "muon"):
+            metrics = train_parallel(cfg, _train_cfg(optimizer), ParallelOptions(), _batches())
+            res[optimizer] = metrics["losses"]
+        res["loads"] = metrics["expert_loads"]
+        out[balancer] = res
     return out
+
+
+BALANCERS_TESTED = ("quantile_hist", "loss_free", "aux_loss")
 
 
 @pytest.fixture(scope="module")
 def fsdp_runs():
-    return {b: run_ranks(_fsdp_worker, 2, b) for b in ("quantile_hist", "loss_free")}
+    ranks = run_ranks(_fsdp_worker, 2, BALANCERS_TESTED)
+    assert all(r["collectives"] for r in ranks)
+    return {b: [r[b] for r in ranks] for b in BALANCERS_TESTED}
 
 
 def _one_process(balancer, optimizer):
@@ -93,7 +126,8 @@ def test_fsdp_losses_equal_one_process(fsdp_runs, optimizer):
 
 def test_balancer_loads_equal_one_process(fsdp_runs):
     """The all-reduced expert loads of the last step are the whole batch's: equal on every rank and
-    to one process, for Quantile Balancing and the loss-free balancer (whose biases steer them)."""
+    to one process, for Quantile Balancing and the loss-free balancer (whose biases steer them) and
+    the auxiliary loss (whose f is all-reduced in the forward)."""
     for balancer, ranks in fsdp_runs.items():
         _, model = _one_process(balancer, "muon")
         ref = [m.balancer.metrics()["load"].tolist() for m in model.modules() if hasattr(m, "balancer")]
@@ -164,18 +198,19 @@ QK_TAU = 0.07  # below the tiny model's max logits (0.066–0.09 at init): QK-Cl
 
 
 def _e2e_worker(rank, world, ep_kind, layout):
-    cfg = ModelConfig.preset("tiny").replace(num_nextn_predict_layers=1, qk_clip_tau=QK_TAU)
+    cfg = ModelConfig.preset("tiny").replace(num_nextn_predict_layers=1, qk_clip_tau=QK_TAU, balancer="quantile_exact")
     opts = ParallelOptions(cp=2, ep=2, ep_kind=ep_kind, cp_layout=layout)
     return train_parallel(cfg, _train_cfg("muon"), opts, _batches())
 
 
 def test_ep_cp_fsdp_end_to_end_equals_one_process():
-    """4 ranks = dp_shard 2 × cp 2 (zigzag), experts over ep 2 (MoonEP), MTP on, Muon with fp32
+    """4 ranks = dp_shard 2 × cp 2 (zigzag), experts over ep 2 (MoonEP), MTP on, exact Quantile Balancing
+    (every rank's margins all-gathered), Muon with fp32
     Newton–Schulz, QK-Clip active (a low τ: each rank clips from the MAX-reduced logits of the whole
     batch, scaling only its own rows): 3 steps give the one-process losses within 1e-5, and MoonEP computes exactly S·K
     token slots on every EP rank (S = 2 rows × 32 tokens of a rank, K = 2). (Plain EP's parity is
     tested layer by layer in test_parallel_expert.py.)"""
-    cfg = ModelConfig.preset("tiny").replace(num_nextn_predict_layers=1, qk_clip_tau=QK_TAU)
+    cfg = ModelConfig.preset("tiny").replace(num_nextn_predict_layers=1, qk_clip_tau=QK_TAU, balancer="quantile_exact")
     torch.manual_seed(0)
     one = K3ForCausalLM(cfg)
     ref = [r["loss"] for r in fit(one, _batches(), _train_cfg("muon")).history]

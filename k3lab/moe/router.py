@@ -163,7 +163,10 @@ class AuxLossBalancer(Balancer):
     """Switch-style auxiliary loss, bias untouched: ``L = coef · E · Σ_j f_j · P_j``.
 
     f_j = slots routed to j / (N·k) (no gradient), P_j = mean_i s_ij / Σ_l s_il (gradient into W_r).
-    Equals ``coef`` when both the loads and the mean scores are uniform.
+    Equals ``coef`` when both the loads and the mean scores are uniform. In a distributed run (the
+    ``all_reduce`` hook set) f is all-reduced over the ranks in the forward, while each rank's P is
+    the mean over its own N tokens: with equal N per rank, the ranks' losses averaged
+    (:class:`k3lab.model.LossShard` divides by the rank count) are exactly the whole batch's.
     """
 
     def __init__(self, bias: Tensor, top_k: int, coef: float = 1e-2):
@@ -173,7 +176,11 @@ class AuxLossBalancer(Balancer):
     def observe(self, route: RouterOutput) -> Tensor:
         super().observe(route)
         N, E = route.scores.shape
-        f = expert_load(route.topk_idx, E).float() / (N * self.top_k)              # [E]
+        counts = expert_load(route.topk_idx, E)                                     # [E]
+        if self.all_reduce is not None:  # distributed: f over the global batch (P stays local, see below)
+            counts = counts.clone()
+            self.all_reduce(counts)
+        f = counts.float() / counts.sum().clamp_min(1)                              # [E] = load / (N·k)
         P = (route.scores / route.scores.sum(-1, keepdim=True)).mean(0)           # [E]
         return self.coef * E * (f * P).sum()
 
