@@ -65,8 +65,36 @@ def _collectives_smoke(rank, world):
     return True
 
 
+def _materialize_check(rank, world):
+    """Meta-device model, parallelized (EP 2 + FSDP2), filled from rank 0's seeded copy: every weight
+    and buffer equals the one-process model's exactly."""
+    from k3lab.parallel.materialize import materialize_from_rank0
+    from k3lab.parallel.parallelize import expert_parameters
+
+    cfg = ModelConfig.preset("tiny")
+    torch.manual_seed(0)
+    one = K3ForCausalLM(cfg)
+    with torch.device("meta"):
+        model = K3ForCausalLM(cfg)
+    groups = init_groups(ParallelDims(world, ep=2))
+    model, _ = parallelize(model, groups, torch.device("cpu"))
+    model.to_empty(device="cpu")
+    materialize_from_rank0(model, one if rank == 0 else None, torch.device("cpu"), groups.world)
+    ref = dict(one.named_parameters())
+    slices = {id(p) for p in expert_parameters(model)}
+    for name, p in model.named_parameters():
+        if id(p) in slices:  # this rank's home experts
+            e = next(m for m in model.modules() if any(q is p for q in m.parameters(recurse=False)))
+            want = ref[name][e.expert_offset:e.expert_offset + e.num_local_experts]
+        else:
+            want = ref[name]
+        got = p.full_tensor() if hasattr(p, "full_tensor") else p
+        assert torch.equal(got, want), name
+    return True
+
+
 def _fsdp_worker(rank, world, balancers):
-    out = {"collectives": _collectives_smoke(rank, world)}
+    out = {"collectives": _collectives_smoke(rank, world), "materialize": _materialize_check(rank, world)}
     for balancer in balancers:
         cfg = ModelConfig.preset("tiny").replace(balancer=balancer)
         # gradients of one step: the sharded model against the whole model in this process
@@ -97,7 +125,7 @@ BALANCERS_TESTED = ("quantile_hist", "loss_free", "aux_loss")
 @pytest.fixture(scope="module")
 def fsdp_runs():
     ranks = run_ranks(_fsdp_worker, 2, BALANCERS_TESTED)
-    assert all(r["collectives"] for r in ranks)
+    assert all(r["collectives"] and r["materialize"] for r in ranks)
     return {b: [r[b] for r in ranks] for b in BALANCERS_TESTED}
 
 

@@ -11,9 +11,10 @@ plus the per-step glue a parallel run needs: the balancers' statistics all-reduc
 (so every rank moves the router bias exactly as one process would), QK-Clip's max logits
 all-reduced with MAX before clipping.
 
-The model is built on CPU on every rank from the same seed, so its weights equal the one-process
-model's; each rank then keeps (and moves to its device) only its shards. A model larger than host
-memory would need meta-device construction with a sharded initialiser: not done here.
+The distributed trainer builds the model on the meta device and parallelizes it there; each rank's
+shards are then allocated and filled from rank 0's seeded one-process copy
+(:mod:`k3lab.parallel.materialize`), so the weights equal the one-process model's. A model that is
+already materialised (tests) is moved to the device instead.
 """
 from __future__ import annotations
 
@@ -50,7 +51,8 @@ def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
 def parallelize(model: nn.Module, groups: ParallelGroups, device: torch.device, *, ep_kind: str = "moonep",
                 cp_layout: str = "contiguous", activation_checkpointing: bool = False,
                 param_dtype: torch.dtype | None = None) -> tuple[nn.Module, set[nn.Parameter]]:
-    """EP -> CP -> AC -> FSDP on ``model`` (in place); returns ``(model, EP expert parameters)``.
+    """EP -> CP -> AC -> FSDP on ``model`` (in place); returns ``(model, EP expert parameters)``
+    (a meta model's ``to_empty`` replaces those Parameter objects: collect them again after it).
 
     World size 1 without a process group: the model is only moved (and checkpointed if asked)."""
     dims = groups.dims
@@ -70,7 +72,8 @@ def parallelize(model: nn.Module, groups: ParallelGroups, device: torch.device, 
     if activation_checkpointing:
         for m in sublayers(model):
             _checkpointed(m)
-    model.to(device)
+    if not next(model.parameters()).is_meta:  # a meta model is allocated after sharding (materialize.py)
+        model.to(device)
     if groups.world is not None:
         for m in model.modules():
             if isinstance(m, LatentMoE):

@@ -33,7 +33,8 @@ from k3lab.moe.latent import LatentMoE
 from k3lab.optim import build_optimizer, set_lr
 from k3lab.parallel.dims import DEFAULT_TIMEOUT_S, ParallelDims, init_groups, init_process_group_from_env
 from k3lab.parallel.fsdp import clip_grad_norm_, sum_expert_grads_
-from k3lab.parallel.parallelize import parallelize, reduce_max_logits_
+from k3lab.parallel.materialize import materialize_from_rank0
+from k3lab.parallel.parallelize import expert_parameters, parallelize, reduce_max_logits_
 from k3lab.train import TrainConfig, _autocast
 
 FAULT_ENV = "K3LAB_FAULT_RANK_STEP"  # "R:S": rank R exits at step S (tests of the no-hang guarantee)
@@ -131,9 +132,20 @@ def _train(model_cfg, train_cfg, opts, batches, device, resume_from, stop_at, on
     rank, distributed = groups.rank, groups.world is not None and dims.world_size > 1
 
     torch.manual_seed(train_cfg.seed)
-    model = K3ForCausalLM(model_cfg)
+    if not distributed:
+        model = K3ForCausalLM(model_cfg)
+    else:  # meta on every rank; rank 0's seeded one-process model fills the shards (materialize.py)
+        source = K3ForCausalLM(model_cfg) if rank == 0 else None
+        with torch.device("meta"):
+            model = K3ForCausalLM(model_cfg)
     model, experts = parallelize(model, groups, device, ep_kind=opts.ep_kind, cp_layout=opts.cp_layout,
                                  activation_checkpointing=opts.activation_checkpointing)
+    if distributed:
+        model.to_empty(device=device)
+        materialize_from_rank0(model, source, device, groups.world)
+        del source
+        if experts:  # to_empty made new Parameter objects for the (unsharded) expert slices
+            experts = set(expert_parameters(model))
     model.train()
     optimizer = build_optimizer(model, train_cfg.optimizer, lr=train_cfg.lr, weight_decay=train_cfg.weight_decay,
                                 betas=train_cfg.betas, foreach=False if distributed else None,
