@@ -111,7 +111,7 @@ def _fsdp_worker(rank, world, balancers):
         ref_grads = dict(ref.named_parameters())
         res = {"grad_err": max(rel_err(p.grad.full_tensor(), ref_grads[n].grad) for n, p in model.named_parameters()
                                if p.grad is not None)}
-        for optimizer in ("adamw", "muon"):
+        for optimizer in ("adamw", "muon") if balancer == balancers[0] else ("muon",):  # AdamW once: CI time
             metrics = train_parallel(cfg, _train_cfg(optimizer), ParallelOptions(), _batches())
             res[optimizer] = metrics["losses"]
         res["loads"] = metrics["expert_loads"]
@@ -146,6 +146,8 @@ def test_fsdp_gradients_equal_one_process(fsdp_runs):
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
 def test_fsdp_losses_equal_one_process(fsdp_runs, optimizer):
     for balancer, ranks in fsdp_runs.items():
+        if optimizer not in ranks[0]:
+            continue
         ref, _ = _one_process(balancer, optimizer)
         assert ranks[0][optimizer] == ranks[1][optimizer]  # every rank reports the same global loss
         for a, b in zip(ranks[0][optimizer], ref):
