@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from k3lab.config import ModelConfig
+from k3lab.losses import linear_cross_entropy
 from k3lab.mixers.kda import KDA
 from k3lab.mixers.mla import GatedMLA, qk_clip_
 from k3lab.moe.latent import LatentMoE
@@ -215,6 +216,9 @@ class K3ForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.mtp = MTPHead(cfg) if cfg.num_nextn_predict_layers == 1 else None
+        # True: with labels, the main and MTP losses go through k3lab.losses.linear_cross_entropy (lm_head + CE
+        # in row chunks, no [B, T, V] fp32 logits kept for backward) and forward returns logits=None
+        self.fused_loss = False
         self.init_weights()
 
     @torch.no_grad()
@@ -231,12 +235,15 @@ class K3ForCausalLM(nn.Module):
                 shard: LossShard | None = None) -> CausalLMOutput:
         """``shard``: this rank's part of a data/context-parallel batch (:class:`LossShard`); None = the whole batch."""
         out = self.model(input_ids, cache)
-        logits = self.lm_head(out.last_hidden_state)  # [B, T, vocab]
+        fused = labels is not None and self.fused_loss
+        logits = None if fused else self.lm_head(out.last_hidden_state)  # [B, T, vocab]
         if labels is None:
             return CausalLMOutput(loss=None, logits=logits, cache=out.cache)
         if labels.shape != input_ids.shape:
             raise ValueError(f"labels shape {tuple(labels.shape)} must equal input_ids shape {tuple(input_ids.shape)}")
-        lm_loss = masked_cross_entropy(logits, labels, None if shard is None else shard.lm_tokens)
+        lm_tokens = None if shard is None else shard.lm_tokens
+        lm_loss = (linear_cross_entropy(out.last_hidden_state, self.lm_head.weight, labels, lm_tokens) if fused
+                   else masked_cross_entropy(logits, labels, lm_tokens))
         metrics = {"lm_loss": lm_loss.detach()}  # 0-d tensors: no host sync in the forward
         ran = [self.model]
         mtp_loss = None
@@ -246,7 +253,9 @@ class K3ForCausalLM(nn.Module):
             if ahead:  # context parallel: the tokens one ahead of every local position come with the shard
                 ids, lab, res = shard.mtp_input_ids, shard.mtp_labels, out.residual
             hidden = self.mtp(self.model.embed_tokens(ids), res)
-            mtp_loss = masked_cross_entropy(self.lm_head(hidden), lab, None if shard is None else shard.mtp_tokens)
+            mtp_tokens = None if shard is None else shard.mtp_tokens
+            mtp_loss = (linear_cross_entropy(hidden, self.lm_head.weight, lab, mtp_tokens) if fused
+                        else masked_cross_entropy(self.lm_head(hidden), lab, mtp_tokens))
             metrics["mtp_loss"] = mtp_loss.detach()
             ran.append(self.mtp)
         aux = [m.aux_loss for part in ran for m in part.modules() if isinstance(m, LatentMoE) and m.aux_loss is not None]

@@ -5,8 +5,13 @@
 
 ``β·tanh(z/β) = z + O(z³/β²)``, so SiTU matches SwiGLU to first order at 0 and recovers it as
 β → ∞; every factor is bounded, ``|β1 tanh(g/β1) σ(g)| < β1`` and ``|β2 tanh(u/β2)| < β2``, so
-``‖SiTU-GLU‖_∞ ≤ β1·β2 = 100``. The non-linearities run in fp32 and the result is cast back to the
-input dtype (as the reference ``situ_and_mul``).
+``‖SiTU-GLU‖_∞ ≤ β1·β2 = 100``. The non-linearities run in fp32 (float64 for float64 inputs) and
+the result is cast back to the input dtype (as the reference ``situ_and_mul``).
+
+Memory: :func:`situ_glu` / :func:`swiglu` are custom autograd functions that save only ``gate`` and
+``up`` in their input dtype (bf16 under autocast: 4 bytes per element of the pair) and recompute the
+fp32 intermediates in backward; the plain formulas, :func:`situ_glu_reference` /
+:func:`swiglu_reference`, let autograd keep ~6 (SiTU) / 3 (SwiGLU) fp32 tensors of gate's shape.
 """
 from __future__ import annotations
 
@@ -17,24 +22,127 @@ from torch import Tensor, nn
 ACTIVATIONS = ("situ", "swiglu")
 
 
-def situ_glu(gate: Tensor, up: Tensor, beta: float = 4.0, linear_beta: float = 25.0) -> Tensor:
-    """[β1·tanh(gate/β1)·σ(gate)] ⊙ [β2·tanh(up/β2)] in fp32, cast back. gate, up: [..., I] -> [..., I]."""
-    g, u = gate.float(), up.float()
+def _compute_dtype(x: Tensor) -> torch.dtype:
+    """float64 for float64 inputs (gradcheck), float32 otherwise (bf16/fp16/fp32)."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def situ_glu_reference(gate: Tensor, up: Tensor, beta: float = 4.0, linear_beta: float = 25.0) -> Tensor:
+    """The plain formula, differentiated by autograd (which saves the fp32 intermediates: tanh, σ and
+    the products, ~6 fp32 tensors of gate's shape). gate, up: [..., I] -> [..., I] in gate's dtype."""
+    cd = _compute_dtype(gate)
+    g, u = gate.to(cd), up.to(cd)
     out = (beta * torch.tanh(g / beta) * torch.sigmoid(g)) * (linear_beta * torch.tanh(u / linear_beta))
     return out.to(gate.dtype)
 
 
+def swiglu_reference(gate: Tensor, up: Tensor) -> Tensor:
+    """silu(gate) ⊙ up in fp32, cast back, differentiated by autograd (saves 3 fp32 tensors)."""
+    cd = _compute_dtype(gate)
+    return (F.silu(gate.to(cd)) * up.to(cd)).to(gate.dtype)
+
+
+class SiTUGLUFunction(torch.autograd.Function):
+    """SiTU-GLU saving only ``gate`` and ``up`` (in their own dtype, bf16 under autocast); the fp32
+    intermediates are recomputed in backward. With t1 = tanh(g/β1), s = σ(g), t2 = tanh(u/β2)::
+
+        a = β1·t1·s,   b = β2·t2,   out = a·b  (fp32, cast to gate's dtype)
+        ∂a/∂g = (1 − t1²)·s + β1·t1·s·(1 − s),    ∂b/∂u = 1 − t2²
+        dgate = dout·b·∂a/∂g,    dup = dout·a·∂b/∂u
+
+    Backward evaluates these with the ops autograd uses on :func:`situ_glu_reference`
+    (``tanh_backward``, ``sigmoid_backward``, in the same order), so fp32 gradients equal the
+    reference's bit for bit.
+    """
+
+    @staticmethod
+    def forward(ctx, gate: Tensor, up: Tensor, beta: float, linear_beta: float) -> Tensor:
+        ctx.save_for_backward(gate, up)
+        ctx.beta, ctx.linear_beta = beta, linear_beta
+        cd = _compute_dtype(gate)
+        g, u = gate.to(cd), up.to(cd)                                               # [..., I] fp32
+        out = (beta * torch.tanh(g / beta) * torch.sigmoid(g)) * (linear_beta * torch.tanh(u / linear_beta))
+        return out.to(gate.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        gate, up = ctx.saved_tensors
+        beta, linear_beta = ctx.beta, ctx.linear_beta
+        cd = _compute_dtype(gate)
+        g, u, go = gate.to(cd), up.to(cd), grad_out.to(cd)                          # [..., I] fp32
+        t1, s = torch.tanh(g / beta), torch.sigmoid(g)
+        a1 = beta * t1                                                              # β1·t1
+        t2 = torch.tanh(u / linear_beta)
+        b = linear_beta * t2                                                        # β2·t2
+        dgate = dup = None
+        if ctx.needs_input_grad[0]:
+            ga = go * b                                                             # dout·b
+            dg = torch.ops.aten.tanh_backward(ga * s * beta, t1) / beta             # via β1·t1: ·s·(1 − t1²)
+            dg = dg + torch.ops.aten.sigmoid_backward(ga * a1, s)                   # via σ: ·β1·t1·s(1 − s)
+            dgate = dg.to(gate.dtype)
+        if ctx.needs_input_grad[1]:
+            gb = go * (a1 * s)                                                      # dout·a
+            dup = (torch.ops.aten.tanh_backward(gb * linear_beta, t2) / linear_beta).to(up.dtype)
+        return dgate, dup, None, None
+
+
+class SwiGLUFunction(torch.autograd.Function):
+    """SwiGLU saving only ``gate`` and ``up`` (their own dtype); fp32 recomputed in backward::
+
+        out = silu(g)·u,   dgate = dout·u·σ(g)·(1 + g·(1 − σ(g))),   dup = dout·silu(g)
+
+    (``silu_backward``, as autograd on :func:`swiglu_reference`: fp32 gradients equal bit for bit).
+    """
+
+    @staticmethod
+    def forward(ctx, gate: Tensor, up: Tensor) -> Tensor:
+        ctx.save_for_backward(gate, up)
+        cd = _compute_dtype(gate)
+        return (F.silu(gate.to(cd)) * up.to(cd)).to(gate.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        gate, up = ctx.saved_tensors
+        cd = _compute_dtype(gate)
+        g, u, go = gate.to(cd), up.to(cd), grad_out.to(cd)                          # [..., I] fp32
+        dgate = dup = None
+        if ctx.needs_input_grad[0]:
+            dgate = torch.ops.aten.silu_backward(go * u, g).to(gate.dtype)
+        if ctx.needs_input_grad[1]:
+            dup = (go * F.silu(g)).to(up.dtype)
+        return dgate, dup
+
+
+def _check_pair(gate: Tensor, up: Tensor) -> None:
+    """gate and up must broadcast (as the plain formula; autograd sums a broadcast input's gradient)."""
+    try:
+        torch.broadcast_shapes(gate.shape, up.shape)
+    except RuntimeError:
+        raise ValueError(f"gate {tuple(gate.shape)} and up {tuple(up.shape)}: shapes do not broadcast") from None
+
+
+def situ_glu(gate: Tensor, up: Tensor, beta: float = 4.0, linear_beta: float = 25.0) -> Tensor:
+    """[β1·tanh(gate/β1)·σ(gate)] ⊙ [β2·tanh(up/β2)] in fp32, cast back. gate, up: [..., I] -> [..., I].
+    Saves only gate and up for backward (:class:`SiTUGLUFunction`); equal to :func:`situ_glu_reference`."""
+    _check_pair(gate, up)
+    return SiTUGLUFunction.apply(gate, up, float(beta), float(linear_beta))
+
+
 def swiglu(gate: Tensor, up: Tensor) -> Tensor:
-    """silu(gate) ⊙ up in fp32, cast back. gate, up: [..., I] -> [..., I]."""
-    return (F.silu(gate.float()) * up.float()).to(gate.dtype)
+    """silu(gate) ⊙ up in fp32, cast back. gate, up: [..., I] -> [..., I].
+    Saves only gate and up for backward (:class:`SwiGLUFunction`); equal to :func:`swiglu_reference`."""
+    _check_pair(gate, up)
+    return SwiGLUFunction.apply(gate, up)
 
 
-def glu_activation(gate: Tensor, up: Tensor, act: str = "situ", beta: float = 4.0, linear_beta: float = 25.0) -> Tensor:
-    """The gated activation named by ``act`` ("situ" | "swiglu"); β's are used by SiTU only."""
+def glu_activation(gate: Tensor, up: Tensor, act: str = "situ", beta: float = 4.0, linear_beta: float = 25.0,
+                   fused: bool = True) -> Tensor:
+    """The gated activation named by ``act`` ("situ" | "swiglu"); β's are used by SiTU only.
+    ``fused=False``: the autograd reference (:func:`situ_glu_reference` / :func:`swiglu_reference`)."""
     if act == "situ":
-        return situ_glu(gate, up, beta, linear_beta)
+        return (situ_glu if fused else situ_glu_reference)(gate, up, beta, linear_beta)
     if act == "swiglu":
-        return swiglu(gate, up)
+        return (swiglu if fused else swiglu_reference)(gate, up)
     raise ValueError(f"act={act!r}: allowed values are {ACTIVATIONS}")
 
 

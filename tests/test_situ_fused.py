@@ -1,0 +1,165 @@
+"""SiTU-GLU / SwiGLU as custom autograd functions (k3lab.moe.situ): gradcheck in float64, fp32 equal to
+the autograd reference (bit for bit), bf16 within 1e-2 of the fp32 reference, and the bytes saved for
+backward by RoutedExperts and SiTUMLP: only the bf16 gate/up/input tensors, no fp32 intermediates."""
+import functools
+
+import pytest
+import torch
+
+from k3lab.moe import latent, situ
+from k3lab.moe.latent import RoutedExperts
+from k3lab.moe.situ import SiTUMLP, glu_activation, situ_glu, situ_glu_reference, swiglu, swiglu_reference
+from k3lab.testing import assert_close, rel_err
+
+FP32 = 1e-6
+BF16 = 1e-2
+PAIRS = {"situ": (situ_glu, situ_glu_reference), "swiglu": (swiglu, swiglu_reference)}
+
+
+def inputs(shape, dtype, seed=0):
+    """gate ~ 6·N(0,1), up ~ 40·N(0,1): both tanh branches reach saturation; plus a few extremes."""
+    gen = torch.Generator().manual_seed(seed)
+    g = torch.randn(shape, generator=gen, dtype=torch.float64) * 6
+    u = torch.randn(shape, generator=gen, dtype=torch.float64) * 40
+    g.view(-1)[:4], u.view(-1)[:4] = torch.tensor([-1e4, -30.0, 30.0, 1e4]), torch.tensor([1e4, -200.0, 0.0, -1e4])
+    return g.to(dtype), u.to(dtype)
+
+
+def value_and_grads(fn, g, u, go):
+    g, u = g.detach().requires_grad_(), u.detach().requires_grad_()
+    out = fn(g, u)
+    dg, du = torch.autograd.grad(out, (g, u), go)
+    return out, dg, du
+
+
+def saved_bytes(fn, exclude=()):
+    """Run ``fn()`` recording every tensor saved for backward; returns (output, {storage: (bytes, dtype, shape)}).
+    Counted once per storage (a tensor saved by two ops is one allocation); ``exclude``'s storages (the
+    parameters) are skipped."""
+    skip = {p.untyped_storage().data_ptr() for p in exclude}
+    seen = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in skip:
+            seen[st.data_ptr()] = (st.nbytes(), t.dtype, tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, seen
+
+
+def total(seen, dtype=None):
+    return sum(n for n, dt, _ in seen.values() if dtype is None or dt == dtype)
+
+
+# ---------------------------------------------------------------------------------------------- correctness
+@pytest.mark.parametrize("act", ["situ", "swiglu"])
+def test_gradcheck_float64(act):
+    fused = PAIRS[act][0]
+    g, u = inputs((5, 7), torch.float64)
+    g, u = (g.clamp(-40, 40) / 3).requires_grad_(), (u.clamp(-200, 200) / 3).requires_grad_()
+    fns = [fused] if act == "swiglu" else [fused, functools.partial(fused, beta=1.5, linear_beta=3.0)]
+    for fn in fns:
+        assert torch.autograd.gradcheck(fn, (g, u))
+    if act == "situ":  # SiTU's backward is itself differentiable (aten has no silu_backward derivative)
+        assert torch.autograd.gradgradcheck(fused, (g, u))
+
+
+@pytest.mark.parametrize("act", ["situ", "swiglu"])
+def test_fp32_values_and_grads_equal_reference(act):
+    fused, ref = PAIRS[act]
+    g, u = inputs((64, 97), torch.float32)
+    go = torch.randn(64, 97, generator=torch.Generator().manual_seed(1))
+    got, want = value_and_grads(fused, g, u, go), value_and_grads(ref, g, u, go)
+    for name, a, b in zip(("out", "dgate", "dup"), got, want):
+        assert a.dtype == torch.float32
+        assert_close(f"{act} fp32 {name}", b, a, FP32)
+        assert torch.equal(a, b), f"{act} fp32 {name}: not bit-equal to the reference (rel {rel_err(a, b):.1e})"
+
+
+@pytest.mark.parametrize("act", ["situ", "swiglu"])
+def test_bf16_within_1e2_of_fp32_reference(act):
+    fused, ref = PAIRS[act]
+    g, u = inputs((64, 97), torch.bfloat16)
+    go = torch.randn(64, 97, generator=torch.Generator().manual_seed(1)).bfloat16()
+    got = value_and_grads(fused, g, u, go)
+    want = value_and_grads(ref, g.float(), u.float(), go.float())  # the same bf16 values, fp32 throughout
+    for name, a, b in zip(("out", "dgate", "dup"), got, want):
+        assert a.dtype == torch.bfloat16, name
+        assert_close(f"{act} bf16 {name}", b, a.float(), BF16)
+    assert torch.equal(got[0], ref(g, u))  # and the output equals the reference's on bf16 inputs
+    assert got[0].float().abs().max() <= (100.0 if act == "situ" else float("inf"))
+
+
+def test_errors_name_the_argument_and_broadcasting_works():
+    with pytest.raises(ValueError, match="gate .* up"):
+        situ_glu(torch.zeros(3, 4), torch.zeros(3, 5))
+    g, u = torch.randn(3, 4, requires_grad=True), torch.randn(4, requires_grad=True)  # broadcasting, as before
+    fused = torch.autograd.grad(situ_glu(g, u).sum(), (g, u))
+    for name, a, b in zip(("dgate", "dup"), fused, torch.autograd.grad(situ_glu_reference(g, u).sum(), (g, u))):
+        assert_close(f"broadcast {name}", b, a, FP32)  # up's gradient is summed over the broadcast rows
+    with pytest.raises(ValueError, match="act"):
+        glu_activation(torch.zeros(2), torch.zeros(2), act="gelu")
+
+
+@pytest.mark.parametrize("impl", ["padded", "reference"])
+def test_routed_experts_fused_equals_reference_path(impl, monkeypatch):
+    torch.manual_seed(0)
+    m = RoutedExperts(4, 16, 24, impl=impl)
+    x = torch.randn(37, 16)
+    counts = torch.tensor([10, 0, 20, 7])
+    runs = []
+    for fused in (True, False):
+        monkeypatch.setattr(latent, "glu_activation", functools.partial(situ.glu_activation, fused=fused))
+        m.zero_grad()
+        xg = x.clone().requires_grad_()
+        y = m(xg, counts)
+        y.pow(2).sum().backward()
+        runs.append([y, xg.grad, m.w1.grad, m.w3.grad, m.w2.grad])
+    for name, a, b in zip(("y", "dx", "dw1", "dw3", "dw2"), *runs):
+        assert_close(f"RoutedExperts[{impl}] {name}", b, a, FP32)
+
+
+# ---------------------------------------------------------------------------------------------- saved bytes
+@pytest.mark.parametrize("impl", ["padded", "reference"])
+def test_routed_experts_saved_bytes_bf16(impl, monkeypatch):
+    torch.manual_seed(0)
+    E, L, I, S = 8, 32, 128, 512
+    m = RoutedExperts(E, L, I, impl=impl).to(torch.bfloat16)
+    x = torch.randn(S, L, dtype=torch.bfloat16, requires_grad=True)
+    counts = torch.tensor([64, 100, 30, 90, 64, 64, 60, 40])
+    P = E * int(counts.max()) if impl == "padded" else S  # rows the activation sees (padded: [E, C])
+    seen = {}
+    for fused in (True, False):
+        monkeypatch.setattr(latent, "glu_activation", functools.partial(situ.glu_activation, fused=fused))
+        _, seen[fused] = saved_bytes(lambda: m(x, counts), exclude=m.parameters())
+    # fused: x (or x_pad) [P, L] + gate, up, h [P, I] in bf16, + int64 index vectors [S] (padded scatter/gather)
+    bound = 2 * P * L + 3 * 2 * P * I + 4 * 8 * S
+    fused_b, ref_b = total(seen[True]), total(seen[False])
+    print(f"\nRoutedExperts[{impl}] S={S} L={L} I={I}: saved {fused_b} B fused (bound {bound}) vs {ref_b} B reference "
+          f"({ref_b / fused_b:.1f}x); fp32: {total(seen[True], torch.float32)} vs {total(seen[False], torch.float32)} B")
+    assert total(seen[True], torch.float32) == 0
+    assert fused_b <= bound
+    assert ref_b - fused_b >= 6 * 4 * P * I - 2 * 2 * P * I  # 6 fp32 intermediates gone, gate/up (bf16) kept
+    assert fused_b * 3 < ref_b
+
+
+@pytest.mark.parametrize("act", ["situ", "swiglu"])
+def test_situ_mlp_saved_bytes_bf16(act, monkeypatch):
+    torch.manual_seed(0)
+    N, D, I = 256, 64, 256
+    mlp = SiTUMLP(D, I, act=act).to(torch.bfloat16)
+    x = torch.randn(N, D, dtype=torch.bfloat16, requires_grad=True)
+    seen = {}
+    for fused in (True, False):
+        monkeypatch.setattr(situ, "glu_activation", functools.partial(glu_activation, fused=fused))
+        _, seen[fused] = saved_bytes(lambda: mlp(x), exclude=mlp.parameters())
+    bound = 2 * N * D + 3 * 2 * N * I  # x [N, D] + gate, up, h [N, I], bf16
+    fused_b, ref_b = total(seen[True]), total(seen[False])
+    print(f"\nSiTUMLP[{act}] N={N} D={D} I={I}: saved {fused_b} B fused (bound {bound}) vs {ref_b} B reference "
+          f"({ref_b / fused_b:.1f}x)")
+    assert total(seen[True], torch.float32) == 0
+    assert fused_b <= bound
+    assert fused_b * (3 if act == "situ" else 2) < ref_b
