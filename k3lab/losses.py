@@ -46,6 +46,18 @@ def _matmul_dtype(hidden: Tensor, weight: Tensor) -> torch.dtype:
     return hidden.dtype
 
 
+def _accumulate(acc: Tensor, a: Tensor, b: Tensor) -> None:
+    """acc [M, K] fp32 += a [M, n] @ b [n, K]: on CUDA with bf16/fp16 operands one GEMM with an fp32 output
+    (``addmm`` with ``out_dtype``, no bf16 rounding of the chunk's product), else ``acc += (a @ b).float()``."""
+    if a.is_cuda and a.dtype in (torch.bfloat16, torch.float16):
+        try:
+            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+            return
+        except (RuntimeError, TypeError, NotImplementedError):
+            pass
+    acc += (a @ b).float()
+
+
 class LinearCrossEntropyFunction(torch.autograd.Function):
     """Summed CE of ``hidden @ weight.T`` over labels != -100, chunked over rows (module docstring).
 
@@ -88,7 +100,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             if need_h:
                 dh[s:s + C] = dz @ w                                                # [n, D]
             if need_w:
-                dw += (dz.T @ hc).float()                                           # [V, D]
+                _accumulate(dw, dz.T, hc)                                           # dW += dzᵀ h  [V, D] fp32
         return (None if dh is None else dh.to(ctx.hidden_dtype),
                 None if dw is None else dw.to(weight.dtype), None, None, None)
 

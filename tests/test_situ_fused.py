@@ -93,6 +93,21 @@ def test_bf16_within_1e2_of_fp32_reference(act):
     assert got[0].float().abs().max() <= (100.0 if act == "situ" else float("inf"))
 
 
+@pytest.mark.parametrize("act", ["situ", "swiglu"])
+def test_piecewise_recompute_equals_reference(act, monkeypatch):
+    """The CUDA path (flat pieces of CUDA_CHUNK_ELEMENTS), forced on CPU with pieces of 1000 elements."""
+    monkeypatch.setattr(situ, "PIECEWISE_DEVICES", ("cpu",))
+    monkeypatch.setattr(situ, "CUDA_CHUNK_ELEMENTS", 1000)
+    fused, ref = PAIRS[act]
+    for dtype, tol in ((torch.float32, FP32), (torch.bfloat16, BF16)):
+        g, u = inputs((37, 101), dtype)
+        go = torch.randn(37, 101, generator=torch.Generator().manual_seed(1)).to(dtype).t().contiguous().t()  # strided
+        got, want = value_and_grads(fused, g, u, go), value_and_grads(ref, g, u, go)
+        for name, a, b in zip(("out", "dgate", "dup"), got, want):
+            assert a.shape == b.shape and a.dtype == b.dtype
+            assert_close(f"{act} pieces {dtype} {name}", b.float(), a.float(), tol)
+
+
 def test_errors_name_the_argument_and_broadcasting_works():
     with pytest.raises(ValueError, match="gate .* up"):
         situ_glu(torch.zeros(3, 4), torch.zeros(3, 5))

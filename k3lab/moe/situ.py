@@ -42,6 +42,57 @@ def swiglu_reference(gate: Tensor, up: Tensor) -> Tensor:
     return (F.silu(gate.to(cd)) * up.to(cd)).to(gate.dtype)
 
 
+CUDA_CHUNK_ELEMENTS = 2 ** 25  # elements per piece of the fp32 recompute on CUDA (128 MiB fp32 buffers)
+PIECEWISE_DEVICES = ("cuda",)  # device types that run in pieces (tests add "cpu")
+
+
+def _piecewise(fn, tensors: tuple[Tensor, ...], out_dtypes: tuple[torch.dtype | None, ...]) -> tuple:
+    """``fn(*tensors)`` (elementwise, returns len(out_dtypes) tensors or None), on CUDA in flat pieces of
+    ``CUDA_CHUNK_ELEMENTS`` written into preallocated outputs, so the fp32 temporaries of the
+    recompute stay ~128 MiB each instead of the full [S, I]. On CUDA an elementwise kernel computes
+    every element the same way wherever it lies, so the pieces are bit-equal to one call; on CPU
+    (vectorised body vs scalar tail per thread range) one call is kept, for bit equality with the
+    autograd reference. Broadcast shapes: one call."""
+    first = tensors[0]
+    n = first.numel()
+    if first.device.type not in PIECEWISE_DEVICES or n <= CUDA_CHUNK_ELEMENTS or any(t.shape != first.shape for t in tensors):
+        return fn(*tensors)
+    flat = [t.reshape(-1) for t in tensors]
+    outs = [None if dt is None else torch.empty(n, dtype=dt, device=first.device) for dt in out_dtypes]
+    for s in range(0, n, CUDA_CHUNK_ELEMENTS):
+        pieces = fn(*(t[s:s + CUDA_CHUNK_ELEMENTS] for t in flat))
+        for o, piece in zip(outs, pieces):
+            if o is not None:
+                o[s:s + CUDA_CHUNK_ELEMENTS] = piece
+    return tuple(None if o is None else o.view(first.shape) for o in outs)
+
+
+def _situ_forward(gate: Tensor, up: Tensor, beta: float, linear_beta: float) -> tuple[Tensor]:
+    cd = _compute_dtype(gate)
+    g, u = gate.to(cd), up.to(cd)                                                   # [..., I] fp32
+    out = (beta * torch.tanh(g / beta) * torch.sigmoid(g)) * (linear_beta * torch.tanh(u / linear_beta))
+    return (out.to(gate.dtype),)
+
+
+def _situ_backward(gate: Tensor, up: Tensor, grad_out: Tensor, beta: float, linear_beta: float,
+                   need_gate: bool, need_up: bool) -> tuple[Tensor | None, Tensor | None]:
+    cd = _compute_dtype(gate)
+    g, u, go = gate.to(cd), up.to(cd), grad_out.to(cd)                              # [..., I] fp32
+    t1, s = torch.tanh(g / beta), torch.sigmoid(g)
+    a1 = beta * t1                                                                  # β1·t1
+    t2 = torch.tanh(u / linear_beta)
+    dgate = dup = None
+    if need_gate:
+        ga = go * (linear_beta * t2)                                                # dout·b
+        dg = torch.ops.aten.tanh_backward(ga * s * beta, t1) / beta                 # via β1·t1: ·s·(1 − t1²)
+        dg = dg + torch.ops.aten.sigmoid_backward(ga * a1, s)                       # via σ: ·β1·t1·s(1 − s)
+        dgate = dg.to(gate.dtype)
+    if need_up:
+        gb = go * (a1 * s)                                                          # dout·a
+        dup = (torch.ops.aten.tanh_backward(gb * linear_beta, t2) / linear_beta).to(up.dtype)
+    return dgate, dup
+
+
 class SiTUGLUFunction(torch.autograd.Function):
     """SiTU-GLU saving only ``gate`` and ``up`` (in their own dtype, bf16 under autocast); the fp32
     intermediates are recomputed in backward. With t1 = tanh(g/β1), s = σ(g), t2 = tanh(u/β2)::
@@ -52,38 +103,35 @@ class SiTUGLUFunction(torch.autograd.Function):
 
     Backward evaluates these with the ops autograd uses on :func:`situ_glu_reference`
     (``tanh_backward``, ``sigmoid_backward``, in the same order), so fp32 gradients equal the
-    reference's bit for bit.
+    reference's bit for bit. On CUDA both passes run in pieces (:func:`_piecewise`).
     """
 
     @staticmethod
     def forward(ctx, gate: Tensor, up: Tensor, beta: float, linear_beta: float) -> Tensor:
         ctx.save_for_backward(gate, up)
         ctx.beta, ctx.linear_beta = beta, linear_beta
-        cd = _compute_dtype(gate)
-        g, u = gate.to(cd), up.to(cd)                                               # [..., I] fp32
-        out = (beta * torch.tanh(g / beta) * torch.sigmoid(g)) * (linear_beta * torch.tanh(u / linear_beta))
-        return out.to(gate.dtype)
+        return _piecewise(lambda g, u: _situ_forward(g, u, beta, linear_beta), (gate, up), (gate.dtype,))[0]
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
         gate, up = ctx.saved_tensors
-        beta, linear_beta = ctx.beta, ctx.linear_beta
-        cd = _compute_dtype(gate)
-        g, u, go = gate.to(cd), up.to(cd), grad_out.to(cd)                          # [..., I] fp32
-        t1, s = torch.tanh(g / beta), torch.sigmoid(g)
-        a1 = beta * t1                                                              # β1·t1
-        t2 = torch.tanh(u / linear_beta)
-        b = linear_beta * t2                                                        # β2·t2
-        dgate = dup = None
-        if ctx.needs_input_grad[0]:
-            ga = go * b                                                             # dout·b
-            dg = torch.ops.aten.tanh_backward(ga * s * beta, t1) / beta             # via β1·t1: ·s·(1 − t1²)
-            dg = dg + torch.ops.aten.sigmoid_backward(ga * a1, s)                   # via σ: ·β1·t1·s(1 − s)
-            dgate = dg.to(gate.dtype)
-        if ctx.needs_input_grad[1]:
-            gb = go * (a1 * s)                                                      # dout·a
-            dup = (torch.ops.aten.tanh_backward(gb * linear_beta, t2) / linear_beta).to(up.dtype)
+        need_g, need_u = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        fn = lambda g, u, go: _situ_backward(g, u, go, ctx.beta, ctx.linear_beta, need_g, need_u)  # noqa: E731
+        dgate, dup = _piecewise(fn, (gate, up, grad_out), (gate.dtype if need_g else None, up.dtype if need_u else None))
         return dgate, dup, None, None
+
+
+def _swiglu_forward(gate: Tensor, up: Tensor) -> tuple[Tensor]:
+    cd = _compute_dtype(gate)
+    return ((F.silu(gate.to(cd)) * up.to(cd)).to(gate.dtype),)
+
+
+def _swiglu_backward(gate: Tensor, up: Tensor, grad_out: Tensor, need_gate: bool, need_up: bool):
+    cd = _compute_dtype(gate)
+    g, u, go = gate.to(cd), up.to(cd), grad_out.to(cd)                              # [..., I] fp32
+    dgate = torch.ops.aten.silu_backward(go * u, g).to(gate.dtype) if need_gate else None
+    dup = (go * F.silu(g)).to(up.dtype) if need_up else None
+    return dgate, dup
 
 
 class SwiGLUFunction(torch.autograd.Function):
@@ -97,20 +145,14 @@ class SwiGLUFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate: Tensor, up: Tensor) -> Tensor:
         ctx.save_for_backward(gate, up)
-        cd = _compute_dtype(gate)
-        return (F.silu(gate.to(cd)) * up.to(cd)).to(gate.dtype)
+        return _piecewise(_swiglu_forward, (gate, up), (gate.dtype,))[0]
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
         gate, up = ctx.saved_tensors
-        cd = _compute_dtype(gate)
-        g, u, go = gate.to(cd), up.to(cd), grad_out.to(cd)                          # [..., I] fp32
-        dgate = dup = None
-        if ctx.needs_input_grad[0]:
-            dgate = torch.ops.aten.silu_backward(go * u, g).to(gate.dtype)
-        if ctx.needs_input_grad[1]:
-            dup = (go * F.silu(g)).to(up.dtype)
-        return dgate, dup
+        need_g, need_u = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        fn = lambda g, u, go: _swiglu_backward(g, u, go, need_g, need_u)  # noqa: E731
+        return _piecewise(fn, (gate, up, grad_out), (gate.dtype if need_g else None, up.dtype if need_u else None))
 
 
 def _check_pair(gate: Tensor, up: Tensor) -> None:
