@@ -5,7 +5,8 @@
 Per step ``s`` (0-based): ``lr = cosine_lr(s, steps, warmup, lr, min_lr_ratio)`` for every group
 (K3: cosine, 1% linear warmup, weight decay 0.1), ``loss = model(x, labels=y).loss`` (under bf16
 autocast if asked), backward, global grad-norm clip, optimizer step, ``model.after_optimizer_step()``
-when the model defines it (MoE balancer updates, QK-Clip). The model's ``loss`` is the objective:
+when the model defines it (MoE balancer updates, QK-Clip). ``compile="sublayer"`` compiles each
+decoder layer's mixer and MLP first (:mod:`k3lab.compile`). The model's ``loss`` is the objective:
 a model adds its own auxiliary/MTP terms into it (``aux_loss`` and ``metrics`` are only logged).
 
 Checkpoints (``out_dir/ckpt-00000100/`` plus the ``out_dir/latest`` pointer; safetensors + JSON,
@@ -32,6 +33,7 @@ from tqdm.auto import tqdm
 from k3lab.backend import resolve_device
 from k3lab.checkpoint import (CHECKPOINT_FORMAT, _plain_config, _set_rng_state,  # noqa: F401 (re-exported)
                               load_checkpoint, resolve_checkpoint, save_checkpoint)
+from k3lab.compile import COMPILE_MODES, compile_model
 from k3lab.optim import build_optimizer, set_lr
 
 OPTIMIZERS = ("adamw", "muon")
@@ -64,6 +66,7 @@ class TrainConfig:
     seed: int = 0                             # torch seed for randomness during training
     device: str = "auto"                      # "auto" | "cpu" | "cuda" | "cuda:N"
     dtype: str = "float32"                    # "float32" | "bfloat16" (autocast; weights stay fp32)
+    compile: str = "none"                     # COMPILE_MODES: "none" (eager) | "sublayer" (k3lab.compile)
     progress: bool = True                     # tqdm progress bar
     name: str = "train"                       # run name: the progress bar's label
 
@@ -89,6 +92,7 @@ class TrainConfig:
         need(self.optimizer in OPTIMIZERS, "optimizer", f"allowed values are {OPTIMIZERS}")
         need(isinstance(self.optimizer_kwargs, dict), "optimizer_kwargs", "must be a dict")
         need(self.dtype in DTYPES, "dtype", f"allowed values are {DTYPES}")
+        need(self.compile in COMPILE_MODES, "compile", f"allowed values are {COMPILE_MODES}")
         need(isinstance(self.device, str) and (self.device in ("auto", "cpu", "cuda")
                                                or self.device.startswith("cuda:")),
              "device", "allowed values are 'auto', 'cpu', 'cuda', 'cuda:N'")
@@ -200,6 +204,7 @@ def fit(model: nn.Module, train_batches, cfg: TrainConfig, val_batches=None,
     """
     device = resolve_device(cfg.device)
     model.to(device).train()
+    compile_model(model, cfg.compile)  # "sublayer": torch.compile each mixer and MLP in place (same state_dict)
     optimizer = build_optimizer(model, cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay,
                                 betas=cfg.betas, **cfg.optimizer_kwargs)
     torch.manual_seed(cfg.seed)

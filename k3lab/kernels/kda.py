@@ -12,6 +12,10 @@ sequences along T, each cut into its own chunks, with states ``[N, H, K, V]``. T
 index (:func:`pack_chunks`, fla's ``prepare_chunk_indices``) and the kernels take ``IS_VARLEN``
 (a constexpr: without ``cu_seqlens`` the packed branches compile away).
 
+Autograd: forward and backward are two ``torch.library`` custom ops (``k3lab::kda_chunk_fwd``,
+``k3lab::kda_chunk_bwd``, with fake implementations), so ``torch.compile`` traces a KDA layer through
+:func:`kda_chunk` without a graph break.
+
 Launch parameters are fixed — chosen from A/B timings on an H200 (``kernels/RESULTS.md``;
 ``kernels/bench_kda.py --tune`` re-times the candidates) and written into :data:`LAUNCH` — so the first
 call compiles and runs, with no autotuning (12 s for forward+backward on the H200).
@@ -22,12 +26,11 @@ heads (packed: sequences times heads) and the number of chunks are CUDA grid axe
 
 import os
 from itertools import accumulate
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 import triton
 import triton.language as tl
-from torch.autograd.function import once_differentiable
 
 from k3lab.kernels.kda_backward import (kda_bwd_dg_kernel, kda_bwd_dv_local_kernel, kda_bwd_intra_kernel,
                                         kda_bwd_state_kernel, kda_bwd_wy_key_kernel, kda_bwd_wy_value_kernel)
@@ -263,27 +266,96 @@ def kda_backward(q, k, v, g, beta, scale, initial_state, saved, do, dht, packing
     return dq, dk, dv, dg, dbeta, dh0
 
 
-class KDAChunkFunction(torch.autograd.Function):
-    """Autograd wrapper: forward and backward are the Triton kernels above."""
+# ----------------------------------------------------------------------------------------------
+# autograd, as two torch.library custom ops: torch.compile (dynamo, AOTAutograd, inductor) treats
+# each as one opaque node with a shape-only fake implementation, so a compiled KDA layer traces
+# through the kernels without a graph break (torch >= 2.4: custom_op, register_fake, register_autograd).
+# ----------------------------------------------------------------------------------------------
+SAVED = ("G2", "qg", "kg", "w", "gl", "Aqk", "Akk_inv", "Mkk", "hs", "v_new")  # what kda_forward saves
+_FWD_OUT = tuple[(Tensor,) * (2 + len(SAVED))]  # the schema needs every output spelled out
 
-    @staticmethod
-    def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, packing):
-        o, final_state, saved = kda_forward(q, k, v, g, beta, scale, initial_state, output_final_state, packing)
-        ctx.save_for_backward(q, k, v, g, beta, initial_state, *saved)
-        ctx.scale, ctx.packing = scale, packing
-        ctx.set_materialize_grads(False)
-        return o, final_state
 
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, do, dht):
-        q, k, v, g, beta, initial_state, *saved = ctx.saved_tensors
-        if do is None:
-            do = torch.zeros_like(v)
-        dq, dk, dv, dg, dbeta, dh0 = kda_backward(
-            q, k, v, g, beta, ctx.scale, initial_state, saved, do.contiguous(),
-            None if dht is None else dht.float().contiguous(), ctx.packing)
-        return dq, dk, dv, dg, dbeta, None, dh0, None, None
+def _op_packing(cu_seqlens, chunk_indices, chunk_offsets) -> Packing | None:
+    return None if cu_seqlens is None else Packing(cu_seqlens, chunk_indices, chunk_offsets)
+
+
+def _empty(x: Tensor) -> Tensor:
+    """The op's stand-in for an absent tensor output (custom ops return no None)."""
+    return x.new_empty(0, dtype=torch.float32)
+
+
+@torch.library.custom_op("k3lab::kda_chunk_fwd", mutates_args=())
+def _kda_chunk_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
+                   initial_state: Optional[Tensor], output_final_state: bool, cu_seqlens: Optional[Tensor],
+                   chunk_indices: Optional[Tensor], chunk_offsets: Optional[Tensor]) -> _FWD_OUT:
+    """``(o, final_state or an empty tensor, *saved)`` (saved: :data:`SAVED`)."""
+    packing = _op_packing(cu_seqlens, chunk_indices, chunk_offsets)
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    o, final_state, saved = kda_forward(q, k, v, g, beta, scale, initial_state, output_final_state, packing)
+    return (o, _empty(q) if final_state is None else final_state, *saved)
+
+
+@_kda_chunk_fwd.register_fake
+def _(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_indices, chunk_offsets):
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    NT = triton.cdiv(T, CHUNK) if cu_seqlens is None else chunk_indices.shape[0]
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    f32 = dict(dtype=torch.float32, device=q.device)
+    scores = [q.new_empty(B, T, H, CHUNK, **f32) for _ in range(3)]  # Aqk, Akk_inv, Mkk
+    final_state = q.new_empty(N, H, K, V, **f32) if output_final_state else _empty(q)
+    return (torch.empty_like(v, memory_format=torch.contiguous_format), final_state,
+            q.new_empty(B, T, H, K, **f32),  # G2
+            *(torch.empty_like(q, memory_format=torch.contiguous_format) for _ in range(3)),  # qg, kg, w
+            q.new_empty(B, NT, H, K, **f32), *scores, q.new_empty(B, NT, H, K, V),  # gl, A.., hs
+            torch.empty_like(v, memory_format=torch.contiguous_format))  # v_new
+
+
+@torch.library.custom_op("k3lab::kda_chunk_bwd", mutates_args=())
+def _kda_chunk_bwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
+                   initial_state: Optional[Tensor], saved: list[Tensor], do: Tensor, dht: Optional[Tensor],
+                   cu_seqlens: Optional[Tensor], chunk_indices: Optional[Tensor],
+                   chunk_offsets: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv, dg, dbeta, dh0 or an empty tensor)``."""
+    packing = _op_packing(cu_seqlens, chunk_indices, chunk_offsets)
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    saved = [x.contiguous() for x in saved]
+    dq, dk, dv, dg, dbeta, dh0 = kda_backward(q, k, v, g, beta, scale, initial_state, tuple(saved),
+                                              do.contiguous(), dht, packing)
+    return dq, dk, dv, dg, dbeta, _empty(q) if dh0 is None else dh0
+
+
+@_kda_chunk_bwd.register_fake
+def _(q, k, v, g, beta, scale, initial_state, saved, do, dht, cu_seqlens, chunk_indices, chunk_offsets):
+    grads = [torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v, g, beta)]
+    N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    H, K, V = q.shape[2], q.shape[3], v.shape[3]
+    dh0 = q.new_empty(N, H, K, V, dtype=torch.float32) if initial_state is not None else _empty(q)
+    return (*grads, dh0)
+
+
+def _kda_chunk_setup_context(ctx, inputs, output):
+    q, k, v, g, beta, scale, initial_state, output_final_state, *packing = inputs
+    ctx.save_for_backward(q, k, v, g, beta, initial_state, *output[2:], *packing)
+    ctx.scale = scale
+    ctx.mark_non_differentiable(*output[2:])  # the saved intermediates are outputs only to reach the backward
+    if not output_final_state:
+        ctx.mark_non_differentiable(output[1])
+    ctx.set_materialize_grads(False)
+
+
+def _kda_chunk_backward(ctx, do, dht, *_):
+    q, k, v, g, beta, initial_state, *rest = ctx.saved_tensors
+    saved, packing = rest[:len(SAVED)], rest[len(SAVED):]
+    if do is None:
+        do = torch.zeros_like(v)
+    dq, dk, dv, dg, dbeta, dh0 = _kda_chunk_bwd(
+        q, k, v, g, beta, ctx.scale, initial_state, list(saved), do,
+        None if dht is None else dht.float().contiguous(), *packing)
+    return dq, dk, dv, dg, dbeta, None, dh0 if initial_state is not None else None, None, None, None, None
+
+
+_kda_chunk_fwd.register_autograd(_kda_chunk_backward, setup_context=_kda_chunk_setup_context)
 
 
 def kda_chunk(
@@ -323,7 +395,9 @@ def kda_chunk(
     if initial_state is not None:
         initial_state = initial_state.float().contiguous()
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
-    return KDAChunkFunction.apply(q, k, v, g, beta, scale, initial_state, bool(output_final_state), packing)
+    o, final_state, *_ = _kda_chunk_fwd(q, k, v, g, beta, scale, initial_state, bool(output_final_state),
+                                        *(packing if packing is not None else (None, None, None)))
+    return o, final_state if output_final_state else None
 
 
 def kda_decode_step(

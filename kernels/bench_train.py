@@ -1,0 +1,378 @@
+"""Training throughput of k3lab models and of fla's KDAForCausalLM of the same shape, side by side in one run.
+
+    python kernels/bench_train.py                                  # the four default configs, eager
+    python kernels/bench_train.py --compile sublayer --fused-loss  # k3lab configs compiled per sublayer
+    python kernels/bench_train.py --configs small-4x4096 kda-anchor-8x4096 --steps 20 --json out.json
+    python kernels/bench_train.py --device cpu --configs tiny-2x64 --steps 2 --warmup 1   # CPU smoke test
+
+A config is ``MODEL-BxT`` (batch B of T tokens, synthetic random token ids, no downloads):
+
+* ``small``      the ``small`` preset (hybrid KDA + Gated MLA, LatentMoE, Attention Residuals);
+* ``kda-anchor`` a pure-KDA dense k3lab model shaped like fla's anchor: 24 layers, D = 1024, 8 KDA heads
+  × 128, vocab 32000, PreNorm residual, SiTU MLP of width 2816, no MLA, no MoE;
+* ``fla-kda-anchor`` fla's ``KDAForCausalLM`` of that shape (``safe_gate=True, lower_bound=-5``,
+  ``attn=None``: pure KDA; fused cross-entropy, fla's default; bf16 weights unless ``--fla-weights
+  float32``). Skipped, with the reason in its row, without CUDA or without fla;
+* ``tiny``       the ``tiny`` preset (CPU tests).
+
+Defaults: ``small-16x1024 small-8x4096 kda-anchor-8x4096 fla-kda-anchor-8x4096``.
+
+Every config trains in a fresh process (so no memory, compile cache or autotuning state carries over)
+through ``k3lab.train.fit`` — the trainer itself: bf16 autocast with fp32 weights (``--dtype``), grad-norm
+clip 1.0, ``--optimizer`` from ``k3lab.optim.build_optimizer`` (the same for fla's model), ``--compile``
+(``TrainConfig.compile``; k3lab models only), ``model.fused_loss = True`` with ``--fused-loss`` where
+the model has that attribute. Steps: 1 first step (compilation, autotuning: "first step s"), ``--warmup``
+untimed steps, then ``--steps`` timed ones; ms/step is the median over the timed steps of fit's own
+per-step clock (each step syncs on its loss). tokens/s = B·T / step time. MFU = 6 · active parameters ·
+tokens/s ÷ ``--peak-flops`` (default 790e12: the bf16 dense matmul rate measured on an H200); active
+parameters exclude the input embedding and include the LM head (k3lab: ``cfg.param_counts()["active"]``,
+routed experts counted at top-k; fla: all parameters but the embedding); attention/KDA mixing FLOPs are
+not counted. Peak memory is ``torch.cuda.max_memory_allocated`` (on CPU: the process's max RSS). "loss" is
+the training loss of the last step (random tokens: ≈ ln(vocab) is all there is to learn). An out-of-memory
+error ends that config's row as "OOM"; any other error as "error: ...".
+
+fla autotunes its Triton kernels on first use (minutes on an H200): unpack its autotune cache into
+``TRITON_CACHE_DIR`` before running (``kernels/fla060-triton36-h200-autotune.tgz`` holds the chunk-KDA
+configs for fla 0.6.0 + triton 3.6; ``--fla-autotune-cache TGZ`` unpacks a tarball there, into a fresh
+folder when ``TRITON_CACHE_DIR`` is unset); the first-step column shows what remained.
+
+Measured on one H200 (torch 2.11, triton 3.6, fla 0.6.0 with its model autotune cache), bf16 autocast,
+AdamW, 1 + 2 warm-up + 5 timed steps; two invocations on one machine (eager with fla, then compiled):
+
+| config | compile | ms/step | tokens/s | MFU | peak GiB | first step s |
+|---|---|---|---|---|---|---|
+| kda-anchor-8x4096 | none | 974.8 | 33,615 | 9.5% | 117.4 | 2.4 |
+| kda-anchor-8x4096 | sublayer | 316.3 | 103,598 | 29.4% | 78.3 | 21.1 |
+| fla-kda-anchor-8x4096 | (fla, bf16 weights) | 342.8 | 95,589 | 25.7% | 34.7 | 22.8 |
+| small-16x1024 | none | 675.8 | 24,244 | 6.5% | 86.3 | 2.4 |
+| small-16x1024 | sublayer | 342.4 | 47,850 | 12.8% | 69.6 | 37.4 |
+| small-8x4096 | none | OOM at 134 GiB | | | | |
+| small-8x4096 | sublayer | 595.2 | 55,054 | 14.7% | 117.0 | 24.8 |
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import re
+import resource
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from dataclasses import dataclass
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+if ROOT not in sys.path:  # run as a script from anywhere: the repo's k3lab first
+    sys.path.insert(0, ROOT)
+
+from k3lab.compile import COMPILE_MODES  # noqa: E402
+
+MODELS = ("small", "kda-anchor", "fla-kda-anchor", "tiny")
+DEFAULT_CONFIGS = ("small-16x1024", "small-8x4096", "kda-anchor-8x4096", "fla-kda-anchor-8x4096")
+PEAK_FLOPS = 790e12  # measured bf16 dense matmul rate of one H200
+PEAK_SOURCE = "790 TFLOP/s: bf16 dense matmul rate measured on an H200"
+# the shape of fla's anchor (fla KDAForCausalLM defaults: MLP width = 1024·4·2/3 rounded up to 256 = 2816)
+ANCHOR = dict(vocab_size=32000, num_hidden_layers=24, hidden_size=1024, num_heads=8, head_dim=128,
+              intermediate_size=2816)
+
+
+@dataclass(frozen=True)
+class Spec:
+    name: str
+    model: str
+    B: int
+    T: int
+
+
+def parse_config(name: str) -> Spec:
+    """``MODEL-BxT`` -> Spec; ValueError naming the allowed forms otherwise."""
+    m = re.fullmatch(r"(.+)-(\d+)x(\d+)", name)
+    if m is None or m.group(1) not in MODELS or int(m.group(2)) < 1 or int(m.group(3)) < 2:
+        raise ValueError(f"config {name!r}: must be MODEL-BxT with MODEL in {MODELS}, B >= 1, T >= 2 "
+                         f"(e.g. {', '.join(DEFAULT_CONFIGS)})")
+    return Spec(name, m.group(1), int(m.group(2)), int(m.group(3)))
+
+
+# ----------------------------------------------------------------------------------------------
+# one config (in the child process)
+# ----------------------------------------------------------------------------------------------
+def k3lab_config(model: str):
+    from k3lab.config import ModelConfig
+
+    if model == "tiny":
+        return ModelConfig.preset("tiny")
+    small = ModelConfig.preset("small")
+    if model == "small":
+        return small
+    L = ANCHOR["num_hidden_layers"]
+    return small.replace(vocab_size=ANCHOR["vocab_size"], num_hidden_layers=L, full_attn_layers=[],
+                         hidden_size=ANCHOR["hidden_size"], intermediate_size=ANCHOR["intermediate_size"],
+                         linear_attn_config=dict(num_heads=ANCHOR["num_heads"], head_dim=ANCHOR["head_dim"]),
+                         mlp_kind="dense", first_k_dense_replace=L, residual="prenorm", qk_clip_tau=None)
+
+
+def build_model(spec: Spec, args, device):
+    """(model, active params, total params) on ``device``."""
+    import torch
+
+    if spec.model != "fla-kda-anchor":
+        from k3lab.model import K3ForCausalLM
+
+        cfg = k3lab_config(spec.model)
+        with device:
+            model = K3ForCausalLM(cfg)
+        counts = cfg.param_counts()
+        return model, counts["active"], counts["total"]
+    from fla.models import KDAConfig, KDAForCausalLM
+
+    cfg = KDAConfig(hidden_size=ANCHOR["hidden_size"], num_hidden_layers=ANCHOR["num_hidden_layers"],
+                    num_heads=ANCHOR["num_heads"], head_dim=ANCHOR["head_dim"], vocab_size=ANCHOR["vocab_size"],
+                    intermediate_size=ANCHOR["intermediate_size"], safe_gate=True, lower_bound=-5.0,
+                    attn=None,  # fla's softmax-attention layers need the flash-attn package
+                    fuse_cross_entropy=True)
+    with device:
+        model = KDAForCausalLM(cfg)
+    if args.fla_weights == "bfloat16":
+        model = model.to(torch.bfloat16)
+    total = sum(p.numel() for p in model.parameters())
+    active = total - model.model.embeddings.weight.numel()
+    return model, active, total
+
+
+def _oom(err: BaseException) -> bool:
+    import torch
+
+    return isinstance(err, torch.cuda.OutOfMemoryError) or "out of memory" in str(err).lower()
+
+
+def _peak_memory_gib(device) -> float:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    return rss * (1 if sys.platform != "darwin" else 1 / 1024) / 2**20
+
+
+def run_config(spec: Spec, args) -> dict:
+    """Train one config through k3lab.train.fit; the row of the table (numbers, or a status)."""
+    import torch
+
+    from k3lab.backend import resolve_device
+    from k3lab.train import TrainConfig, TrainingDiverged, fit
+
+    device = resolve_device(args.device)
+    is_fla = spec.model == "fla-kda-anchor"
+    row = dict(config=spec.name, model="fla" if is_fla else "k3lab", B=spec.B, T=spec.T, tokens_per_step=spec.B * spec.T,
+               device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+               torch=torch.__version__, dtype=args.dtype, optimizer=args.optimizer,
+               compile="none" if is_fla else args.compile, status="ok")
+    try:
+        import triton
+
+        row["triton"] = triton.__version__
+    except ImportError:
+        pass
+    if is_fla:
+        if device.type != "cuda":
+            return dict(row, status="skipped: fla's kernels need CUDA")
+        try:
+            import fla
+        except ImportError as err:
+            return dict(row, status=f"skipped: fla is not importable ({err})")
+        row["fla"] = fla.__version__
+        row["weights"] = args.fla_weights
+        row["fused_loss"] = "on (fla fuse_cross_entropy)"
+    torch.manual_seed(0)
+    try:
+        model, active, total = build_model(spec, args, device)
+        row.update(params_active=active, params_total=total)
+        if not is_fla:
+            row["weights"] = "float32"
+            row["fused_loss"] = "off"
+            if args.fused_loss:
+                if hasattr(model, "fused_loss"):
+                    model.fused_loss = True
+                    row["fused_loss"] = "on"
+                else:
+                    row["fused_loss"] = "n/a (model has no fused_loss)"
+        vocab = model.config.vocab_size
+        gen = torch.Generator(device=device).manual_seed(1)
+
+        def batches(step):
+            ids = torch.randint(0, vocab, (spec.B, spec.T + 1), device=device, generator=gen)
+            if is_fla:  # HF convention: labels = input ids, shifted inside the model
+                return ids[:, :-1], ids[:, :-1]
+            return ids[:, :-1], ids[:, 1:]  # k3lab: pre-aligned labels
+
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+        steps = 1 + args.warmup + args.steps
+        dtype = "float32" if is_fla and args.fla_weights == "bfloat16" else args.dtype
+        cfg = TrainConfig(steps=steps, lr=1e-3, warmup_steps=0, optimizer=args.optimizer, device=str(device),
+                          dtype=dtype, compile=row["compile"], progress=False, name=spec.name)
+        t0 = time.perf_counter()
+        try:
+            result = fit(model, batches, cfg)
+        except TrainingDiverged as err:
+            return dict(row, status=f"diverged: {err}", peak_mem_gib=_peak_memory_gib(device))
+        wall = time.perf_counter() - t0
+        history = result.history
+        elapsed = [r["elapsed"] for r in history]
+        times = [b - a for a, b in zip(elapsed[:-1], elapsed[1:])][args.warmup:]
+        dt = statistics.median(times)
+        tokens_per_s = spec.B * spec.T / dt
+        row.update(ms_per_step=1e3 * dt, ms_per_step_min=1e3 * min(times), tokens_per_s=tokens_per_s,
+                   mfu=6 * active * tokens_per_s / args.peak_flops, peak_mem_gib=_peak_memory_gib(device),
+                   first_step_s=elapsed[0], loss_first=history[0]["loss"], loss=history[-1]["loss"],
+                   steps_timed=len(times), wall_s=wall)
+    except Exception as err:  # noqa: BLE001 — a row per config, whatever happened
+        if _oom(err):
+            return dict(row, status="OOM", peak_mem_gib=_peak_memory_gib(device), error=str(err)[:500])
+        import traceback
+
+        traceback.print_exc()
+        return dict(row, status=f"error: {type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}")
+    return row
+
+
+# ----------------------------------------------------------------------------------------------
+# the table (in the parent)
+# ----------------------------------------------------------------------------------------------
+def _fmt(value, spec: str, scale: float = 1.0) -> str:
+    if not isinstance(value, (int, float)) or not math.isfinite(value):
+        return "–"
+    return format(value * scale, spec)
+
+
+def _millions(n: int) -> str:
+    return f"{n / 1e6:.0f}M" if n >= 1e7 else f"{n / 1e6:.2g}M"
+
+
+def markdown_table(rows: list[dict]) -> str:
+    """The rows as a markdown table (a status instead of numbers where a config was skipped or failed)."""
+    head = ("| config | model | compile | fused loss | active / total params | ms/step | tokens/s | MFU | "
+            "peak GiB | first step s | loss (first → last) | status |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        params = f"{_millions(r['params_active'])} / {_millions(r['params_total'])}" if "params_active" in r else "–"
+        loss = f"{_fmt(r.get('loss_first'), '.3f')} → {_fmt(r.get('loss'), '.3f')}" if "loss" in r else "–"
+        lines.append("| " + " | ".join([
+            r["config"], r.get("model", "?"), r.get("compile", "–"), r.get("fused_loss", "–"), params,
+            _fmt(r.get("ms_per_step"), ".1f"), _fmt(r.get("tokens_per_s"), ",.0f"),
+            _fmt(r.get("mfu"), ".1f", 100) + ("%" if "mfu" in r else ""), _fmt(r.get("peak_mem_gib"), ".1f"),
+            _fmt(r.get("first_step_s"), ".1f"), loss, r.get("status", "?")]) + " |")
+    return "\n".join(lines)
+
+
+def use_autotune_cache(tgz: str) -> str:
+    """Unpack ``tgz`` into ``TRITON_CACHE_DIR`` (a fresh folder when unset) for the child processes."""
+    cache = os.environ.get("TRITON_CACHE_DIR") or tempfile.mkdtemp(prefix="triton-cache-")
+    with tarfile.open(tgz) as tar:
+        tar.extractall(cache)
+    os.environ["TRITON_CACHE_DIR"] = cache
+    return cache
+
+
+def child_command(name: str, out: str, args) -> list[str]:
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", name, "--child-out", out,
+           "--steps", str(args.steps), "--warmup", str(args.warmup), "--dtype", args.dtype,
+           "--optimizer", args.optimizer, "--compile", args.compile, "--device", args.device,
+           "--peak-flops", repr(args.peak_flops), "--fla-weights", args.fla_weights]
+    return cmd + (["--fused-loss"] if args.fused_loss else [])
+
+
+def run_in_child(name: str, args) -> dict:
+    """One config in a fresh Python process; its row (a crash or a timeout becomes the row's status)."""
+    with tempfile.TemporaryDirectory(prefix="bench-train-") as tmp:
+        out = os.path.join(tmp, "row.json")
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+        try:
+            proc = subprocess.run(child_command(name, out, args), env=env, timeout=args.timeout)
+            code = proc.returncode
+        except subprocess.TimeoutExpired:
+            return dict(config=name, status=f"error: timed out after {args.timeout} s")
+        if os.path.exists(out):
+            with open(out) as f:
+                return json.load(f)
+        return dict(config=name, status=f"error: the process exited with code {code} before writing its row"
+                                        + (" (killed: out of host memory?)" if code in (-9, 137) else ""))
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--configs", nargs="+", default=list(DEFAULT_CONFIGS), metavar="MODEL-BxT",
+                        help=f"configs to run, in order; MODEL in {MODELS} (default: %(default)s)")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps (default %(default)s)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps after the first one (default %(default)s)")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                        help="k3lab: autocast dtype, weights stay fp32 (default %(default)s)")
+    parser.add_argument("--optimizer", default="adamw", choices=("adamw", "muon"))
+    parser.add_argument("--compile", default="none", choices=COMPILE_MODES,
+                        help="TrainConfig.compile for the k3lab configs (default %(default)s)")
+    parser.add_argument("--fused-loss", action="store_true",
+                        help="set model.fused_loss = True where a k3lab model has the attribute")
+    parser.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
+    parser.add_argument("--peak-flops", type=float, default=PEAK_FLOPS,
+                        help="the FLOP/s that MFU divides by (default 790e12: H200 bf16 dense, measured)")
+    parser.add_argument("--fla-weights", default="bfloat16", choices=("bfloat16", "float32"),
+                        help="fla model: bf16 weights without autocast (fla's anchor), or fp32 weights under "
+                             "--dtype autocast like the k3lab models (default %(default)s)")
+    parser.add_argument("--fla-autotune-cache", default=None, metavar="TGZ",
+                        help="unpack this tarball of Triton autotune results into TRITON_CACHE_DIR first")
+    parser.add_argument("--timeout", type=float, default=3600, help="seconds per config (default %(default)s)")
+    parser.add_argument("--json", default=None, help="write every row (and the settings) to this file")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.steps < 1 or args.warmup < 0:
+        parser.error("--steps must be >= 1 and --warmup >= 0")
+    try:
+        specs = [parse_config(name) for name in ([args.child] if args.child else args.configs)]
+    except ValueError as err:
+        parser.error(str(err))
+
+    if args.child:  # one config, in this fresh process
+        row = run_config(specs[0], args)
+        with open(args.child_out, "w") as f:
+            json.dump(row, f)
+        return
+
+    if args.fla_autotune_cache:
+        print(f"TRITON_CACHE_DIR={use_autotune_cache(args.fla_autotune_cache)}", flush=True)
+    peak_source = PEAK_SOURCE if args.peak_flops == PEAK_FLOPS else f"{args.peak_flops / 1e12:g} TFLOP/s (--peak-flops)"
+    rows = []
+    for spec in specs:
+        print(f"== {spec.name}: {1 + args.warmup + args.steps} steps (1 first, {args.warmup} warm-up, {args.steps} timed), "
+              f"dtype {args.dtype}, {args.optimizer}, compile {args.compile}", flush=True)
+        if spec.model == "fla-kda-anchor" and (args.device == "cpu" or importlib.util.find_spec("fla") is None):
+            row = dict(config=spec.name, model="fla", B=spec.B, T=spec.T, compile="none",
+                       status="skipped: fla's kernels need CUDA" if args.device == "cpu" else
+                       "skipped: fla is not importable (pip install flash-linear-attention)")
+        else:
+            row = run_in_child(spec.name, args)
+        rows.append(row)
+        print(f"   {json.dumps(row)}", flush=True)
+    first = next((r for r in rows if "torch" in r), {})
+    print()
+    print(f"device {first.get('device', '?')}, torch {first.get('torch', '?')}, triton {first.get('triton', '–')}"
+          + (f", fla {r['fla']}" if (r := next((r for r in rows if "fla" in r), None)) else "")
+          + f"; MFU = 6·active params·tokens/s ÷ {peak_source}")
+    print(markdown_table(rows))
+    if args.json:
+        settings = {k: v for k, v in vars(args).items() if not k.startswith("child")}
+        with open(args.json, "w") as f:
+            json.dump(dict(settings=settings, peak_flops=args.peak_flops, peak_source=peak_source, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
