@@ -1,4 +1,4 @@
-"""Tolerance helpers shared by tests and notebooks: one definition of "relative error"."""
+"""Helpers shared by tests and notebooks: one definition of "relative error", and a saved-for-backward counter."""
 
 import torch
 
@@ -20,3 +20,21 @@ def assert_close(name: str, ref: torch.Tensor, got: torch.Tensor, tol: float) ->
     err = rel_err(got, ref)
     if err > tol:
         raise AssertionError(f"{name}: relative error {err:.3e} > tolerance {tol:.1e}")
+
+
+def saved_bytes(fn, exclude=()) -> tuple[object, dict]:
+    """Run ``fn()`` recording every tensor autograd saves for backward; returns
+    ``(output, {storage pointer: (bytes, dtype, shape)})``. Counted once per storage (a tensor saved by
+    two ops is one allocation); ``exclude``'s storages (the parameters) are skipped."""
+    skip = {p.untyped_storage().data_ptr() for p in exclude}
+    seen = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in skip:
+            seen[st.data_ptr()] = (st.nbytes(), t.dtype, tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, seen

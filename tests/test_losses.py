@@ -10,6 +10,7 @@ from k3lab.config import ModelConfig
 from k3lab.losses import IGNORE_INDEX, linear_cross_entropy
 from k3lab.model import K3ForCausalLM, LossShard, masked_cross_entropy
 from k3lab.testing import assert_close
+from k3lab.testing import saved_bytes as count_saved
 
 FP32 = 1e-6
 BF16 = 1e-2
@@ -36,19 +37,8 @@ def loss_and_grads(fn, h, w, *args, **kw):
 
 
 def saved_bytes(fn, exclude=()):
-    """Run ``fn()`` recording each tensor saved for backward, once per storage, skipping ``exclude``'s
-    storages (parameters): (output, [(bytes, dtype, shape)])."""
-    skip = {p.untyped_storage().data_ptr() for p in exclude}
-    seen = {}
-
-    def pack(t):
-        st = t.untyped_storage()
-        if st.data_ptr() not in skip:
-            seen[st.data_ptr()] = (st.nbytes(), t.dtype, tuple(t.shape))
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
+    """(output, [(bytes, dtype, shape)]) of the tensors ``fn()`` saves for backward (k3lab.testing)."""
+    out, seen = count_saved(fn, exclude)
     return out, list(seen.values())
 
 

@@ -9,7 +9,7 @@ import torch
 from k3lab.moe import latent, situ
 from k3lab.moe.latent import RoutedExperts
 from k3lab.moe.situ import SiTUMLP, glu_activation, situ_glu, situ_glu_reference, swiglu, swiglu_reference
-from k3lab.testing import assert_close, rel_err
+from k3lab.testing import assert_close, rel_err, saved_bytes
 
 FP32 = 1e-6
 BF16 = 1e-2
@@ -30,24 +30,6 @@ def value_and_grads(fn, g, u, go):
     out = fn(g, u)
     dg, du = torch.autograd.grad(out, (g, u), go)
     return out, dg, du
-
-
-def saved_bytes(fn, exclude=()):
-    """Run ``fn()`` recording every tensor saved for backward; returns (output, {storage: (bytes, dtype, shape)}).
-    Counted once per storage (a tensor saved by two ops is one allocation); ``exclude``'s storages (the
-    parameters) are skipped."""
-    skip = {p.untyped_storage().data_ptr() for p in exclude}
-    seen = {}
-
-    def pack(t):
-        st = t.untyped_storage()
-        if st.data_ptr() not in skip:
-            seen[st.data_ptr()] = (st.nbytes(), t.dtype, tuple(t.shape))
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    return out, seen
 
 
 def total(seen, dtype=None):
