@@ -9,7 +9,7 @@ Shapes (B, T, H, D) = (8, 4096, 16, 128), (2, 16384, 16, 128), (1, 65536, 16, 12
 q, k L2-normalised, K3's gate g = −5·σ(z) in fp32, β = σ(·). fla runs with safe_gate=True,
 lower_bound=−5 and its shipped autotune cache (kernels/fla060-triton36-h200-autotune.tgz, unpacked into
 TRITON_CACHE_DIR before fla is imported). Times are medians of triton.testing.do_bench.
-FLOPs: KDA forward (10·C·D + 6·D²) per token and head (C = 64, as in shared/anchors/MEASURED.md),
+FLOPs: KDA forward (10·C·D + 6·D²) per token and head (C = 64, fla's chunk size),
 forward+backward 3× that; causal attention 2·B·H·T²·D forward, 2.5× more for the backward.
 """
 
@@ -24,7 +24,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SHAPES = [(8, 4096, 16, 128), (2, 16384, 16, 128), (1, 65536, 16, 128)]
-PEAK_BF16_TFLOPS = 790.0  # measured bf16 matrix rate of the H200 (shared/anchors/MEASURED.md)
+PEAK_BF16_TFLOPS = 790.0  # measured bf16 dense matmul rate of the H200 (2026-11-29)
 
 
 def use_fla_autotune_cache() -> str:

@@ -25,7 +25,7 @@ Tensor = torch.Tensor
 # q/k L2-normalised, gates precomputed in fp32. Rows: (B, T, softplus fwd, safe fwd, softplus fwd+bwd, safe fwd+bwd).
 FLA_SAFE_GATE_RUNS = [
     {
-        "measured": "2026-11-29, ../shared/anchors/kda_anchor.py (MEASURED.md): one NVIDIA H200 (141 GB), driver 580, "
+        "measured": "2026-11-29, time_fla_chunk_kda below: one NVIDIA H200 (141 GB), driver 580, "
                     "torch 2.11.0+cu130, triton 3.6.0, fla 0.6.0, triton.testing.do_bench medians",
         "rows": [(8, 4096, 1.754, 1.553, 9.928, 8.143), (2, 16384, 2.135, 1.930, 11.005, 9.236),
                  (1, 65536, 5.365, 4.957, 25.449, 21.871)],
@@ -124,7 +124,7 @@ def factored_errors(q: Tensor, k: Tensor, v: Tensor, g: Tensor, tile_size: int, 
 
 def time_fla_chunk_kda(B: int, T: int, H: int = 16, D: int = 128, safe_gate: bool = True, backward: bool = True,
                        device: str = "cuda") -> float:
-    """Median milliseconds of fla's ``chunk_kda`` for one shape, as ``../shared/anchors/kda_anchor.py`` measures it.
+    """Median milliseconds of fla's ``chunk_kda`` for one shape, as the recorded ``FLA_SAFE_GATE_RUNS`` were measured.
 
     bf16 q/k/v (q, k L2-normalised), β ∈ (0, 1), float32 gates precomputed from ``z ~ N(0, 1)``:
     ``safe_gate=True``: K3's ``g = -5 σ(z)`` with ``safe_gate=True, lower_bound=-5`` (tensor-core diagonal tiles);
