@@ -44,6 +44,18 @@ def check_param(name, value, *, choices=None, type_=None, min_=None, max_=None):
     return value
 
 
+def check_params(namespace: dict, rules: dict) -> None:
+    """Validate many papermill parameters at once: ``rules`` maps a name in ``namespace`` (a notebook's
+    ``globals()``) to :func:`check_param`'s keywords, e.g. ``{"steps": dict(type_=int, min_=1)}``.
+
+    A name missing from ``namespace`` is an error naming it (a rule for a parameter the cell lacks)."""
+    for name, rule in rules.items():
+        if name not in namespace:
+            raise ValueError(f"parameter {name!r} has a rule but is not defined; defined: "
+                             f"{sorted(k for k in namespace if not k.startswith('_'))[:20]}")
+        check_param(name, namespace[name], **rule)
+
+
 def headline(text: str) -> None:
     """Print the one-line result the course runner puts in its summary table."""
     print(f"HEADLINE: {text}")

@@ -6,7 +6,7 @@ import pytest
 
 from k3lab.backend import resolve_backend, resolve_device
 from k3lab.config import ModelConfig
-from k3lab.nb import check_param
+from k3lab.nb import check_param, check_params
 
 # the K3 text backbone's config.json fields (K3_SPEC §1), as a reader would get them from the hub
 K3_HF_CONFIG = {
@@ -107,3 +107,12 @@ def test_check_param():
         check_param("preset", "big", choices=("tiny", "small"))
     with pytest.raises(ValueError, match="type int"):
         check_param("steps", True, type_=int)
+
+
+def test_check_params_names_the_failing_parameter():
+    ns = {"steps": 5, "lr": -1.0, "preset": "tiny"}
+    check_params(ns, {"steps": dict(type_=int, min_=1), "preset": dict(choices=("tiny", "small"))})
+    with pytest.raises(ValueError, match=r"lr=-1.0: must be >= 0"):
+        check_params(ns, {"steps": dict(type_=int, min_=1), "lr": dict(type_=float, min_=0.0)})
+    with pytest.raises(ValueError, match="'seed' has a rule but is not defined"):
+        check_params(ns, {"seed": dict(type_=int)})
