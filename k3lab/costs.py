@@ -1,6 +1,6 @@
 r"""The three costs of inference for a config: prefill FLOPs, decode FLOPs per token, cache bytes.
 
-A model's layers are mixers of one of three kinds, each followed by its MLP (K3_SPEC §1):
+A model's layers are mixers of one of three kinds, each followed by its MLP (docs/k3_reference.md §1):
 
 * ``"kda"``  KDA (§2): a fixed-size recurrent state per layer, no cache that grows with the context;
 * ``"mla"``  Gated MLA (§3): caches ``kv_lora_rank + qk_rope_head_dim`` numbers (K3: 512 + 64 = 576)

@@ -1,6 +1,6 @@
 """`python -m k3lab course`: run the course notebooks through papermill and summarise them.
 
-Each notebook ``notebooks/NN_topic.ipynb`` is executed (kernel ``python3``, working directory = the
+Each notebook ``notebooks/<NN>_<topic>.ipynb`` is executed (kernel ``python3``, working directory = the
 notebooks folder) into the output folder under the same name. The runner
 
 * passes ``preset`` and ``device`` to every notebook whose ``parameters`` cell defines them, and each
@@ -304,7 +304,7 @@ def add_course_parser(subparsers) -> None:
     p = subparsers.add_parser(
         "course",
         help="run the course notebooks through papermill and summarise them",
-        description="Run the course notebooks (notebooks/NN_topic.ipynb, in number order) through papermill "
+        description="Run the course notebooks (notebooks/<NN>_<topic>.ipynb, in number order) through papermill "
                     "into --out, then print and write summary.md (notebook, status, seconds, headline). "
                     "Exit status 1 if a notebook failed, 2 for a usage error.",
         epilog="examples:\n  python -m k3lab course\n  python -m k3lab course --only 00,03 --out runs/\n"

@@ -1,6 +1,6 @@
-"""The K3 hybrid model: KDA and Gated MLA 3:1, (Latent)MoE, Attention Residuals, MTP (K3 spec §1, §10).
+"""The K3 hybrid model: KDA and Gated MLA 3:1, (Latent)MoE, Attention Residuals, MTP (docs/k3_reference.md §1, §10).
 
-Layer schedule from the config (K3 spec §1)::
+Layer schedule from the config (docs/k3_reference.md §1)::
 
     layer i:  self_attn = GatedMLA   if cfg.is_mla_layer(i) (1-based full_attn_layers; K3: every 4th + the last)
                           KDA        otherwise
@@ -12,7 +12,7 @@ Each sublayer reads its input from the residual stream (:mod:`k3lab.residual`): 
 (K3) or PreNorm. The pre-norm (``input_layernorm`` / ``post_attention_layernorm``) is applied
 after the depth mixing; one more AttnRes mixes the output before ``model.norm`` and ``lm_head``.
 
-MTP (K3 spec §10, DeepSeek-V3 style, depth 1; K3's exact design is not published)::
+MTP (docs/k3_reference.md §10, DeepSeek-V3 style, depth 1; K3's exact design is not published)::
 
     h'_t = eh_proj[ enorm(Emb(x_{t+1})) ; hnorm(h_t) ]        h_t: the main model's final residual
     logits_mtp = lm_head(norm(Block(h')))                      Block: MLA + the last layer's MLP kind, PreNorm
@@ -79,7 +79,7 @@ def build_mlp(cfg: ModelConfig, kind: str) -> tuple[str, nn.Module]:
 
 class K3DecoderLayer(nn.Module):
     """One decoder layer: [AttnRes] -> input_layernorm -> self_attn -> [AttnRes] ->
-    post_attention_layernorm -> mlp | block_sparse_moe (K3 spec §1.1, names §1.2)."""
+    post_attention_layernorm -> mlp | block_sparse_moe (docs/k3_reference.md §1.1, names §1.2)."""
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, is_mla: bool, mlp_kind: str, use_attn_res: bool):
         super().__init__()
@@ -152,7 +152,7 @@ class K3Model(nn.Module):
 
 
 class MTPHead(nn.Module):
-    """DeepSeek-V3-style multi-token prediction module, depth 1 (K3 spec §10; names as DeepSeek-V3's)."""
+    """DeepSeek-V3-style multi-token prediction module, depth 1 (docs/k3_reference.md §10; names as DeepSeek-V3's)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -270,7 +270,7 @@ class K3ForCausalLM(nn.Module):
 
     def after_optimizer_step(self) -> None:
         """After each optimizer step (the trainer calls this): every MoE updates its balancer, and
-        QK-Clip (K2's MuonClip, K3_SPEC §11) caps each MLA head's max logit at ``cfg.qk_clip_tau``."""
+        QK-Clip (K2's MuonClip, docs/k3_reference.md §11) caps each MLA head's max logit at ``cfg.qk_clip_tau``."""
         for module in self.modules():
             if isinstance(module, LatentMoE):
                 module.after_optimizer_step()

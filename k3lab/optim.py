@@ -1,6 +1,6 @@
-"""Optimizers for k3lab: AdamW groups, Muon with Per-Head Muon, QK-Clip, cosine schedule (K3 spec §11).
+"""Optimizers for k3lab: AdamW groups, Muon with Per-Head Muon, QK-Clip, cosine schedule (docs/k3_reference.md §11).
 
-Which parameter gets which update (K3 spec §11, Moonlight/K2 practice):
+Which parameter gets which update (docs/k3_reference.md §11, Moonlight/K2 practice):
 
 * **Muon**: 2-D hidden matrices (every ``nn.Linear`` weight inside the blocks, the router included)
   and 3-D stacked expert weights ``[E, out, in]`` (one Newton–Schulz per expert, batched).

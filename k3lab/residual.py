@@ -1,4 +1,4 @@
-"""Attention Residuals (K3 spec §1.1, §4) and the plain PreNorm residual they replace.
+"""Attention Residuals (docs/k3_reference.md §1.1, §4) and the plain PreNorm residual they replace.
 
 PreNorm:  x_{s+1} = x_s + f_s(Norm(x_s))   — every sublayer adds into one running sum.
 
@@ -14,7 +14,7 @@ values, no 1/sqrt(D), fp32 math. Sources ``v_i``:
 * block form (K3): the embedding ``b_0``, the completed block sums ``b_1 .. b_{n-1}`` and the
   partial sum of the current block. K3 uses blocks of 12 decoder layers (24 sublayers).
 
-The bookkeeping of :class:`AttnResStream` is the reference code's (K3 spec §1.1): at a block
+The bookkeeping of :class:`AttnResStream` is the reference code's (docs/k3_reference.md §1.1): at a block
 boundary the attention sublayer first reads ``[*blocks, prefix_sum]``, then ``prefix_sum``
 (the just-completed block; the embedding at layer 0) joins ``blocks``. One more AttnRes mixes
 everything at the output. Each decoder layer owns ``self_attention_res_{norm,proj}`` and
@@ -68,7 +68,7 @@ class PreNormStream:
 
 
 class AttnResStream:
-    """Block Attention Residuals over one forward pass (K3 spec §1.1), counted in sublayers.
+    """Block Attention Residuals over one forward pass (docs/k3_reference.md §1.1), counted in sublayers.
 
     sublayers_per_block: 2 * attn_res_block_size for K3's decoder-layer blocks (an attention
     sublayer and an MLP sublayer per layer); 1 gives the full form (every sublayer output is its

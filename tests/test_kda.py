@@ -1,4 +1,4 @@
-"""The K3 KDA layer (K3 spec §2.1–2.5, names §1.2): gates vs fla's references, init, checkpoint
+"""The K3 KDA layer (docs/k3_reference.md §2.1–2.5, names §1.2): gates vs fla's references, init, checkpoint
 names/shapes, cache semantics (token by token == full == split), conv state, gradients, errors."""
 
 import math
@@ -112,7 +112,7 @@ def test_init_A_log_and_dt_bias():
 def test_k3_parameter_names_and_shapes_on_meta():
     with torch.device("meta"):
         layer = KDA(ModelConfig.preset("k3"), layer_idx=0)
-    expected = {  # K3_SPEC §1.2, "self_attn." dropped
+    expected = {  # docs/k3_reference.md §1.2, "self_attn." dropped
         "q_proj.weight": (12288, 7168), "k_proj.weight": (12288, 7168), "v_proj.weight": (12288, 7168),
         "q_conv1d.weight": (12288, 1, 4), "k_conv1d.weight": (12288, 1, 4), "v_conv1d.weight": (12288, 1, 4),
         "f_a_proj.weight": (128, 7168), "f_b_proj.weight": (12288, 128), "dt_bias": (12288,), "A_log": (96,),

@@ -1,6 +1,6 @@
 """k3lab's Triton KDA: chunked forward + backward with autograd, and the one-token decode step.
 
-Same layout and semantics as the torch reference :func:`k3lab.mixers.chunk.kda_chunk` (K3 spec §2.2,
+Same layout and semantics as the torch reference :func:`k3lab.mixers.chunk.kda_chunk` (docs/k3_reference.md §2.2,
 §2.3): ``q, k [B, T, H, K]`` (L2-normalised by the caller), ``v [B, T, H, V]``, ``g [B, T, H, K]``
 the per-channel log-decay, ``beta [B, T, H]`` (after the sigmoid), states ``[B, H, K, V]`` in fp32.
 The kernels rely on K3's lower-bounded gate, ``g ∈ [−5, 0]`` (see :mod:`k3lab.kernels.kda_forward`
@@ -373,7 +373,7 @@ def kda_chunk(
     r"""Chunkwise KDA on Triton kernels, differentiable in q, k, v, g, beta and initial_state.
 
     Computes, per head, ``S_t = (I − β_t k_t k_tᵀ) Diag(exp(g_t)) S_{t−1} + β_t k_t v_tᵀ`` and
-    ``o_t = scale · S_tᵀ q_t`` (K3 spec §2.2) in chunks of 64 tokens with 16-token tiles (§2.3).
+    ``o_t = scale · S_tᵀ q_t`` (docs/k3_reference.md §2.2) in chunks of 64 tokens with 16-token tiles (§2.3).
 
     Args:
         q, k: ``[B, T, H, K]``, L2-normalised. v: ``[B, T, H, V]`` (same dtype: bf16, fp16 or fp32).

@@ -1,4 +1,4 @@
-"""Triton backward kernels of chunkwise KDA (K3 spec §2.3); notation as in :mod:`k3lab.kernels.kda_forward`.
+"""Triton backward kernels of chunkwise KDA (docs/k3_reference.md §2.3); notation as in :mod:`k3lab.kernels.kda_forward`.
 
 The forward saves the state entering every chunk (``hs``), the pseudo-values ``Ṽ``, ``A⁻¹``, ``M``,
 the scaled scores ``Aqk = scale·P``, the in-chunk cumulative decay ``G`` (as ``G₂ = log₂(e)·G``) and

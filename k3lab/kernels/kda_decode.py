@@ -1,4 +1,4 @@
-"""Triton kernel for one KDA decoding step (K3 spec §2.2): the recurrence itself, fused, for T = 1."""
+"""Triton kernel for one KDA decoding step (docs/k3_reference.md §2.2): the recurrence itself, fused, for T = 1."""
 
 import triton
 import triton.language as tl

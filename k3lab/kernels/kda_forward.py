@@ -1,4 +1,4 @@
-"""Triton forward kernels of chunkwise KDA (K3 spec §2.3), one program per chunk, tile or block.
+"""Triton forward kernels of chunkwise KDA (docs/k3_reference.md §2.3), one program per chunk, tile or block.
 
 Notation (one batch row b, one head h; the sequence is cut into chunks of C = BT = 64 tokens, the
 last one masked). Inside a chunk, rows r = 0..C-1, ``G_r = Σ_{i≤r} g_i`` is the in-chunk cumulative

@@ -1,4 +1,4 @@
-"""Chunkwise-parallel forms of the linear-attention lineage (K3 spec §2.3).
+"""Chunkwise-parallel forms of the linear-attention lineage (docs/k3_reference.md §2.3).
 
 Same arguments and results as the recurrences in :mod:`k3lab.mixers.lineage`, plus
 ``chunk_size``. The sequence is cut into chunks of ``C`` tokens (the last one padded internally,
@@ -145,7 +145,7 @@ def gated_deltanet_chunk(q, k, v, g, beta, scale=None, initial_state=None, outpu
 
 def kda_chunk(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=True, chunk_size=64, *,
               cu_seqlens=None):
-    """Chunkwise :func:`k3lab.mixers.lineage.kda_recurrent` (K3 spec §2.3): per-channel ``g [B, T, H, K]``.
+    """Chunkwise :func:`k3lab.mixers.lineage.kda_recurrent` (docs/k3_reference.md §2.3): per-channel ``g [B, T, H, K]``.
 
     The torch reference the KDA layer and the Triton kernels are checked against. Returns
     ``(o [B, T, H, V], final_state [B, H, K, V] float32/float64 or None)``.

@@ -1,4 +1,4 @@
-"""The K3 KDA layer: Kimi Delta Attention with K3's bounded gate and full-rank output gate (K3 spec §2.1–2.5).
+"""The K3 KDA layer: Kimi Delta Attention with K3's bounded gate and full-rank output gate (docs/k3_reference.md §2).
 
 Per token ``x_t [D]`` and head ``h`` (``H`` heads, ``K = V = head_dim``)::
 
@@ -30,7 +30,7 @@ from k3lab.mixers.lineage import kda_recurrent
 Tensor = torch.Tensor
 
 GATE_KINDS = ("k3", "kimi_linear")
-L2NORM_EPS = 1e-6  # fla l2norm_fwd and the fused recurrent kernel (spec §2.1)
+L2NORM_EPS = 1e-6  # fla l2norm_fwd and the fused recurrent kernel (docs/k3_reference.md §2.1)
 
 
 @dataclass
@@ -49,7 +49,7 @@ class KDACache:
 
 
 def kda_gate(z: Tensor, A_log: Tensor, dt_bias: Tensor, kind: str = "k3", lower_bound: float = -5.0) -> Tensor:
-    r"""Per-channel log-decay ``g`` from the forget logits (spec §2.1; spec §13 for the two kinds).
+    r"""Per-channel log-decay ``g`` from the forget logits (docs/k3_reference.md §2.1; §13 for the two kinds).
 
     ``kind="k3"``:          ``g = lower_bound · σ(e^{A_log} (z + dt_bias))``  ∈ (lower_bound, 0)
     ``kind="kimi_linear"``: ``g = −e^{A_log} · softplus(z + dt_bias)``         ∈ (−∞, 0)
@@ -76,7 +76,7 @@ def kda_gate(z: Tensor, A_log: Tensor, dt_bias: Tensor, kind: str = "k3", lower_
 
 
 def causal_conv1d(x: Tensor, weight: Tensor, conv_state: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    r"""Depthwise causal convolution with a carried tail (the ShortConv of spec §2.1, without its SiLU).
+    r"""Depthwise causal convolution with a carried tail (the ShortConv of docs/k3_reference.md §2.1, without its SiLU).
 
     ``y_t[d] = Σ_{w<W} weight[d, 0, w] · x_{t−W+1+w}[d]``, where inputs before ``x_0`` come from
     ``conv_state`` (zeros when None).
@@ -113,7 +113,8 @@ def l2norm(x: Tensor, eps: float = L2NORM_EPS) -> Tensor:
 def inverse_softplus_dt_bias(n: int, dt_min: float = 1e-3, dt_max: float = 1e-1, dt_floor: float = 1e-4,
                              generator: torch.Generator | None = None) -> Tensor:
     """fla's (Mamba2 / GDN / Kimi Linear) ``dt_bias`` init: ``dt ~ exp(U[log dt_min, log dt_max])``
-    clamped at ``dt_floor``, then ``softplus⁻¹(dt) = dt + log(−expm1(−dt))`` (spec §2.1). Returns ``[n]`` float32."""
+    clamped at ``dt_floor``, then ``softplus⁻¹(dt) = dt + log(−expm1(−dt))`` (docs/k3_reference.md §2.1).
+    Returns ``[n]`` float32."""
     u = torch.rand(n, dtype=torch.float32, generator=generator)
     dt = torch.exp(u * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min)).clamp(min=dt_floor)
     return dt + torch.log(-torch.expm1(-dt))
@@ -134,7 +135,7 @@ class ShortConvolution(nn.Conv1d):
 
 
 class KDA(nn.Module):
-    """The K3 KDA token mixer (equations in the module docstring); parameter names as the K3 checkpoint (spec §1.2).
+    """The K3 KDA token mixer (equations in the module docstring); checkpoint names (docs/k3_reference.md §1.2).
 
     ``forward(x [B, T, D], cache: KDACache | None) -> (y [B, T, D], KDACache)``. The backend
     (``cfg.backend`` resolved on x's device): "torch" runs ``kda_chunk`` (``kda_recurrent`` for one

@@ -1,5 +1,5 @@
 """The linear-attention lineage as recurrences: linear attention → RetNet → Mamba2 → DeltaNet →
-Gated DeltaNet → KDA (K3 spec §2.2).
+Gated DeltaNet → KDA (docs/k3_reference.md §2.2).
 
 Every mixer keeps a matrix state ``S ∈ R^{K×V}`` per head and reads it with the query,
 ``o_t = S_tᵀ q_t``. The family differs only in how ``S`` is written, and each step of the lineage
@@ -107,7 +107,7 @@ def delta_rule_recurrent(
         S ← S + k_t (β_t (v_t − Sᵀ k_t))ᵀ          (delta rule; β = None: plain S + k_t v_tᵀ)
         o_t = Sᵀ q_t
 
-    This is the order of fla's ``naive_recurrent_kda`` (spec §2.2). Args as in the module
+    This is the order of fla's ``naive_recurrent_kda`` (docs/k3_reference.md §2.2). Args as in the module
     docstring; ``g``: ``[B, T, H]`` or ``[B, T, H, K]`` log-decay or None; ``beta``: ``[B, T, H]``
     or None.
     """
@@ -195,7 +195,7 @@ def gated_deltanet_recurrent(q, k, v, g, beta, scale=None, initial_state=None, o
 
 
 def kda_recurrent(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=True):
-    r"""KDA, Kimi Delta Attention (K3 spec §2.2).
+    r"""KDA, Kimi Delta Attention (docs/k3_reference.md §2.2).
 
     ``S_t = (I − β_t k_t k_tᵀ) Diag(α_t) S_{t-1} + β_t k_t v_tᵀ`` with ``α_t = exp(g_t)``.
 

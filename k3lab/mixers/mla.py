@@ -1,4 +1,4 @@
-"""Gated Multi-head Latent Attention, K3's global-attention layer (K3 spec §3).
+"""Gated Multi-head Latent Attention, K3's global-attention layer (docs/k3_reference.md §3).
 
 DeepSeek-V2 MLA with NO positional encoding (NoPE) and a full-rank sigmoid output gate::
 
@@ -118,7 +118,7 @@ def causal_max_logit(q: Tensor, k: Tensor, scale: float) -> Tensor:
 
 
 class GatedMLA(nn.Module):
-    """K3 Gated MLA layer (K3 spec §3); checkpoint names as K3 spec §1.2.
+    """K3 Gated MLA layer (docs/k3_reference.md §3; checkpoint names §1.2).
 
     forward(x [B, T, D], cache: MLACache | None) -> (y [B, T, D], MLACache of all tokens so far).
 

@@ -1,5 +1,5 @@
 """Why K3 bounds the KDA gate at ``g ≥ -5``: the chunk form's ``exp(±G)`` factors and where they overflow
-(K3 spec §2.3 "Lower bound and the e^80 argument"; notebook 03).
+(docs/k3_reference.md §2.3 "Lower bound and the e^80 argument"; notebook 03).
 
 Inside a tile of ``C`` tokens the chunk form needs the decayed scores
 ``A_ij = Σ_d q_id k_jd exp(G_id − G_jd)`` (``j ≤ i``), with ``G_r = Σ_{s≤r} g_s`` the in-tile
@@ -21,8 +21,9 @@ from k3lab.testing import rel_err
 
 Tensor = torch.Tensor
 
-# fla's chunk_kda, Kimi Linear's softplus gate vs K3's safe_gate (K3 spec §2.3): median ms, bf16, H=16, head dim 128,
-# q/k L2-normalised, gates precomputed in fp32. Rows: (B, T, softplus fwd, safe fwd, softplus fwd+bwd, safe fwd+bwd).
+# fla's chunk_kda, Kimi Linear's softplus gate vs K3's safe_gate (docs/k3_reference.md §2.3, docs/peer_figures.md §1):
+# median ms, bf16, H=16, head dim 128, q/k L2-normalised, gates precomputed in fp32.
+# Rows: (B, T, softplus fwd, safe fwd, softplus fwd+bwd, safe fwd+bwd).
 FLA_SAFE_GATE_RUNS = [
     {
         "measured": "2026-11-29, time_fla_chunk_kda below: one NVIDIA H200 (141 GB), driver 580, "
@@ -55,7 +56,7 @@ def sample_log_decay(kind: str, shape: tuple, logit_scale: float, generator: tor
     """Log-decays ``g [B, T, H, K]`` of one gate kind from raw forget logits ``z ~ logit_scale · N(0, 1)``.
 
     A_log and dt_bias as the KDA layer initialises them (K3: ``A = 0``; Kimi Linear: ``A ~ log U(1, 16)``),
-    so both kinds see the same logits and differ only in the activation (spec §2.1).
+    so both kinds see the same logits and differ only in the activation (docs/k3_reference.md §2.1).
     """
     B, T, H, K = shape
     z = logit_scale * torch.randn(B, T, H, K, generator=generator)

@@ -1,4 +1,4 @@
-"""Stable LatentMoE (K3 spec §5) and the standard MoE it is compared with.
+"""Stable LatentMoE (docs/k3_reference.md §5) and the standard MoE it is compared with.
 
 For each token x [D] (N = B·T tokens, E experts, top-k, latent width L, expert width I)::
 

@@ -1,6 +1,6 @@
-"""Sigmoid router with a balancing bias, and the balancers that maintain the bias (K3 spec §5, §7).
+"""Sigmoid router with a balancing bias, and the balancers that maintain the bias (docs/k3_reference.md §5, §7).
 
-Routing (K3 spec §5, Eq. moe-routing), per token i over E experts::
+Routing (docs/k3_reference.md §5, Eq. moe-routing), per token i over E experts::
 
     s_i  = σ(W_r x_i)                           fp32, on the full-width x
     T_i  = argtop_k(s_i + b)                    b = e_score_correction_bias, no gradient
@@ -19,7 +19,7 @@ Balancers share one interface:
 * ``metrics()``: per-expert load of the last completed step and its max violation
   ``max_j load_j/target − 1``, target = (tokens·k)/E.
 
-Quantile Balancing (K3 spec §7), m tokens in the step, target load q = mk/E::
+Quantile Balancing (docs/k3_reference.md §7), m tokens in the step, target load q = mk/E::
 
     b̂_j = quantile_{k/E}( r_{:,j} ),  r_ij = α_i − s_ij    (the "required bias": j enters T_i iff b_j > r_ij)
     b   = b̂ − mean(b̂)
@@ -198,7 +198,7 @@ class LossFreeBalancer(Balancer):
 
 
 class QuantileBalancer(Balancer):
-    """Quantile Balancing (K3 spec §7): ``b ← b̂ − mean(b̂)``, ``b̂_j = quantile_{k/E}(α_i − s_ij over i)``.
+    """Quantile Balancing (docs/k3_reference.md §7): ``b ← b̂ − mean(b̂)``, ``b̂_j = quantile_{k/E}(α_i − s_ij over i)``.
 
     exact=True keeps every margin ``r = α − s`` of the step ([m, E] fp32) and takes the linear-interpolated
     (k/E)-quantile per expert (single-process reference: the margins would need an all-gather).

@@ -1,5 +1,5 @@
 """Balancing experiments without a language model: synthetic router scores, simulated data-parallel
-ranks, and a recorder of the max violation inside a training model (notebook 08, K3 spec §7).
+ranks, and a recorder of the max violation inside a training model (notebook 08, docs/k3_reference.md §7).
 
 Synthetic scores for m tokens and n experts at step t::
 

@@ -1,4 +1,4 @@
-"""SiTU-GLU, the bounded gated activation of K3 (K3 spec §6), and SwiGLU for comparison.
+"""SiTU-GLU, the bounded gated activation of K3 (docs/k3_reference.md §6), and SwiGLU for comparison.
 
     SiTU-GLU(g, u) = [β1·tanh(g/β1)·σ(g)] ⊙ [β2·tanh(u/β2)],      β1 = 4, β2 = 25
     SwiGLU(g, u)   = [g·σ(g)] ⊙ u
@@ -189,7 +189,7 @@ def glu_activation(gate: Tensor, up: Tensor, act: str = "situ", beta: float = 4.
 
 
 class SiTUMLP(nn.Module):
-    """Dense gated MLP ``down_proj(act(gate_proj x, up_proj x))`` with no biases (K3 spec §6).
+    """Dense gated MLP ``down_proj(act(gate_proj x, up_proj x))`` with no biases (docs/k3_reference.md §6).
 
     Used for the dense first layer (width ``intermediate_size``) and the shared experts
     (width ``n_shared_experts·moe_intermediate_size``). x: [..., D] -> [..., D].
