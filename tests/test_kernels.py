@@ -1,6 +1,6 @@
 """k3lab's Triton KDA kernels (k3lab.kernels) against the torch reference k3lab.mixers.chunk.kda_chunk.
 
-Fresh random inputs per case, the K3 gate ``g = −5·σ(z)`` (K3 spec §2.1), forward output, final
+Fresh random inputs per case, the K3 gate ``g = −5·σ(z)`` (docs/k3_reference.md §2.1), forward output, final
 state and every gradient (q, k, v, g, beta, initial_state), against the reference in float64; also
 packed sequences (``cu_seqlens``) against the reference run on each sequence separately.
 

@@ -1,5 +1,5 @@
 """The linear-attention lineage: recurrence == chunkwise form (float64, forward and gradients),
-state chaining, and KDA == fla's naive_recurrent_kda (K3 spec §2.2-2.3)."""
+state chaining, and KDA == fla's naive_recurrent_kda (docs/k3_reference.md §2.2-2.3)."""
 
 import pytest
 import torch

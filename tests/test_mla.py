@@ -1,4 +1,4 @@
-"""Gated MLA (K3 spec §3): naive == absorbed, NoPE is permutation-blind, cache decode == full, names."""
+"""Gated MLA (docs/k3_reference.md §3): naive == absorbed, NoPE is permutation-blind, cache decode == full, names."""
 
 import pytest
 import torch

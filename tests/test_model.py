@@ -1,4 +1,4 @@
-"""The K3 model (K3 spec §1, §10): parameter count on the meta device, names, schedule, forward and
+"""The K3 model (docs/k3_reference.md §1, §10): parameter count on the meta device, names, schedule, forward and
 backward, cached decoding == full forward, prefix split, MTP, generation."""
 
 import pytest
@@ -104,7 +104,7 @@ def test_forward_backward():
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        if name in unused:  # layer 0's attention input is the embedding itself (spec §1.1)
+        if name in unused:  # layer 0's attention input is the embedding itself (docs/k3_reference.md §1.1)
             assert p.grad is None, name
         else:
             assert p.grad is not None and torch.isfinite(p.grad).all(), name

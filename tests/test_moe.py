@@ -1,5 +1,5 @@
 """SiTU-GLU, the sigmoid router, the balancers (aux loss, loss-free, Quantile Balancing) and LatentMoE
-(K3 spec §5, §6, §7)."""
+(docs/k3_reference.md §5, §6, §7)."""
 import pytest
 import torch
 

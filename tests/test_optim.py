@@ -1,4 +1,4 @@
-"""Muon (Newton–Schulz, Per-Head Muon), AdamW groups, the cosine schedule and QK-Clip (K3 spec §11)."""
+"""Muon (Newton–Schulz, Per-Head Muon), AdamW groups, the cosine schedule and QK-Clip (docs/k3_reference.md §11)."""
 import math
 
 import pytest
@@ -172,7 +172,7 @@ def test_build_optimizer_bad_name():
 
 # ---------------------------------------------------------------------------------------------- QK-Clip
 class MLAStandIn(nn.Module):
-    """The attributes QK-Clip reads from GatedMLA, and the logits they produce (NoPE MLA, spec §3)."""
+    """The attributes QK-Clip reads from GatedMLA, and the logits they produce (NoPE MLA, docs/k3_reference.md §3)."""
 
     def __init__(self, H=3, dn=8, dr=4, dv=8, q_lora=12, kv_lora=10):
         super().__init__()

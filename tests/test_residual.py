@@ -1,4 +1,4 @@
-"""Attention Residuals (K3 spec §1.1, §4): the formula against fla, the block bookkeeping against
+"""Attention Residuals (docs/k3_reference.md §1.1, §4): the formula against fla, the block bookkeeping against
 a literal transcription of the reference pseudocode, the full form, zero-init uniformity."""
 
 import importlib.util
@@ -26,7 +26,7 @@ def res_params(seed: int, scale: float = 0.5, eps: float = 1e-5) -> tuple[nn.Lin
 
 
 def reference_attn_res(sources, proj, norm):
-    """K3 spec §4 written out per source: logit_i = w · RMSNorm(v_i), softmax over sources, sum of raw v_i."""
+    """docs/k3_reference.md §4 per source: logit_i = w · RMSNorm(v_i), softmax over sources, sum of raw v_i."""
     w = proj.weight[0]
     logits = []
     for v in sources:
@@ -92,7 +92,7 @@ def make_sublayers(L, seed=4):
 
 
 def spec_reference(emb, fns, params, out_params, block_size):
-    """K3 spec §1.1 transcribed literally (block_size in decoder layers)."""
+    """docs/k3_reference.md §1.1 transcribed literally (block_size in decoder layers)."""
     L = len(fns) // 2
     prefix_sum, blocks = emb, []
     for l in range(L):
@@ -123,7 +123,7 @@ def test_block_bookkeeping_matches_spec(block_size):
     ref, n_sources = spec_reference(emb, fns, params, out_params, block_size)
     records = []
     got = run_stream(AttnResStream(emb, 2 * block_size, records), fns, params, out_params)
-    assert_close("stream vs spec §1.1", ref, got, FP64_TOL)
+    assert_close("stream vs docs/k3_reference.md §1.1", ref, got, FP64_TOL)
     assert len(records[-1][1]) == n_sources == 1 + -(-L // block_size)  # embedding + ceil(L / block_size) blocks
 
 
