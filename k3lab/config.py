@@ -1,22 +1,31 @@
 """Model configuration: every Kimi K3 field under its Hugging Face `config.json` name.
 
 Presets (`ModelConfig.preset(name)`):
-  "k3"    the published K3 config (K3_SPEC §1): 93 layers, d=7168, 2.78T total / 104.2B active.
+  "k3"    the published K3 config (docs/k3_reference.md §1): 93 layers, d=7168, 2.78T total / 104.2B active.
           Build it only on the meta device.
   "small" one GPU, ~0.4B active parameters: the same architecture, narrower and shallower.
   "tiny"  CPU notebooks and tests: a few seconds per training step on 2 cores.
 
 Besides the checkpoint fields there are experiment switches (not in K3's config.json):
-kda_gate, residual, mlp_kind, balancer, qb_num_bins, aux_loss_coef, mtp_loss_weight, backend.
+kda_gate, residual, mlp_kind, balancer, qb_num_bins, aux_loss_coef, mtp_loss_weight, qk_clip_tau, backend.
 `mla_use_nope=False` turns RoPE on in MLA for the NoPE-vs-RoPE experiment.
+
+`from_hf_config` / `to_hf_config` read and write the released `config.json` exactly (docs/hf_checkpoint.md):
+the multimodal wrapper (`KimiK3ForConditionalGeneration`, text fields under `text_config`), the release's
+names for three fields (`num_experts`, `num_experts_per_token`, `num_shared_experts`; the DeepSeek-style
+names of the dataclass are read too) and the layer schedule inside `linear_attn_config`
+(`full_attn_layers`, `kda_layers`, 1-based).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from k3lab.mxfp4 import check_quantization_config
 
 KDA_GATES = ("k3", "kimi_linear")
 RESIDUALS = ("attnres", "prenorm")
@@ -25,6 +34,42 @@ BALANCERS = ("quantile_hist", "quantile_exact", "loss_free", "aux_loss", "none")
 HIDDEN_ACTS = ("situ", "swiglu")
 BACKENDS = ("auto", "torch", "triton", "fla")
 PRESETS = ("tiny", "small", "k3")
+
+# --- the released config.json (docs/hf_checkpoint.md) --------------------------------------------
+HF_ARCHITECTURE = "KimiK3ForConditionalGeneration"  # the wrapper's architectures[0]
+HF_MODEL_TYPE = "kimi_k3"
+HF_TEXT_ARCHITECTURE = "KimiLinearForCausalLM"  # text_config.architectures[0]
+HF_TEXT_MODEL_TYPE = "kimi_linear"
+HF_ARCHITECTURES = (HF_ARCHITECTURE, HF_TEXT_ARCHITECTURE)
+HF_MODEL_TYPES = (HF_MODEL_TYPE, HF_TEXT_MODEL_TYPE)
+# release name -> ModelConfig field (the dataclass keeps the DeepSeek-style names; both are read)
+HF_ALIASES = {"num_experts": "n_routed_experts", "num_experts_per_token": "num_experts_per_tok",
+              "num_shared_experts": "n_shared_experts"}
+# keys of the release that k3lab does not store but checks: key -> (values k3lab builds, value written).
+# A config asking for anything else is refused, never silently built as something different.
+HF_CHECKED = {
+    "topk_method": (("noaux_tc",), "noaux_tc"),  # top-k on sigmoid score + correction bias
+    "use_grouped_topk": ((True, False), True),  # with one group, grouped top-k is plain top-k
+    "num_expert_group": ((1,), 1),
+    "topk_group": ((1,), 1),
+    "moe_layer_freq": ((1,), 1),  # every layer from first_k_dense_replace on is MoE
+    "moe_router_activation_func": (("sigmoid",), "sigmoid"),
+}
+# the wrapper's keys besides text_config (token ids and tie_word_embeddings must agree with it)
+HF_WRAPPER_KEYS = ("architectures", "model_type", "text_config", "bos_token_id", "eos_token_id", "pad_token_id",
+                   "tie_word_embeddings", "quantization_config")
+# fields whose dataclass default is the tiny preset's: a config.json must give them (no silent tiny default)
+HF_REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "linear_attn_config", "num_attention_heads",
+               "num_key_value_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+               "v_head_dim", "intermediate_size", "n_routed_experts", "num_experts_per_tok", "n_shared_experts",
+               "moe_intermediate_size", "routed_expert_hidden_size", "attn_res_block_size",
+               "bos_token_id", "eos_token_id", "pad_token_id")
+HF_LINEAR_ATTN_REQUIRED = ("num_heads", "head_dim")
+# k3lab's own switches: not in the release; to_hf_config writes those that differ from the default
+# under text_config["k3lab"], so that every ModelConfig round-trips
+EXPERIMENT_FIELDS = ("kda_gate", "residual", "mlp_kind", "balancer", "qb_num_bins", "aux_loss_coef",
+                     "mtp_loss_weight", "qk_clip_tau", "backend")
+HF_EXPERIMENT_KEY = "k3lab"
 
 
 def _default_linear_attn_config() -> dict:
@@ -38,9 +83,9 @@ class ModelConfig:
     hidden_size: int = 64  # D, the residual width (K3: 7168)
     num_hidden_layers: int = 4  # decoder layers (K3: 93)
     full_attn_layers: list = field(default_factory=lambda: [4])  # 1-based indices of Gated-MLA layers; the rest are KDA
-    # --- KDA (K3_SPEC §2) --------------------------------------------------------------------
+    # --- KDA (docs/k3_reference.md §2) --------------------------------------------------------------------
     linear_attn_config: dict = field(default_factory=_default_linear_attn_config)
-    # --- Gated MLA (K3_SPEC §3) -----------------------------------------------------------------
+    # --- Gated MLA (docs/k3_reference.md §3) -----------------------------------------------------------------
     num_attention_heads: int = 2  # MLA heads H (K3: 96)
     num_key_value_heads: int = 2  # = num_attention_heads: MLA has no GQA
     q_lora_rank: int = 48  # query latent width (K3: 1536)
@@ -51,7 +96,7 @@ class ModelConfig:
     mla_use_nope: bool = True  # True = no RoPE anywhere (K3); False = RoPE on the rope part (experiment)
     mla_use_output_gate: bool = True  # full-rank sigmoid gate before o_proj
     rope_theta: float = 10000.0  # only used when mla_use_nope is False
-    # --- MLP / MoE (K3_SPEC §5, §6) ---------------------------------------------------------------
+    # --- MLP / MoE (docs/k3_reference.md §5, §6) ---------------------------------------------------------------
     first_k_dense_replace: int = 1  # layers [0, k) use the dense SiTU MLP
     intermediate_size: int = 128  # dense MLP hidden width (K3: 33792)
     n_routed_experts: int = 8  # E (K3: 896)
@@ -65,13 +110,14 @@ class ModelConfig:
     hidden_act: str = "situ"  # "situ" (K3) or "swiglu" (comparison)
     activation_situ_beta: float = 4.0  # beta_1 on the gate branch
     activation_situ_linear_beta: float = 25.0  # beta_2 on the up branch
-    # --- residual stream (K3_SPEC §1.1, §4) -------------------------------------------------------
+    # --- residual stream (docs/k3_reference.md §1.1, §4) -------------------------------------------------------
     attn_res_block_size: int = 2  # decoder layers per AttnRes block (K3: 12)
     rms_norm_eps: float = 1e-5
     # --- heads, MTP, misc ----------------------------------------------------------------------------
     tie_word_embeddings: bool = False
     num_nextn_predict_layers: int = 0  # MTP depth (K3 report: 1; released config: 0)
     initializer_range: float = 0.02
+    max_position_embeddings: int = 4096  # trained context (K3: 1048576); the model has no position table (NoPE)
     bos_token_id: int = 0
     eos_token_id: int = 1
     pad_token_id: int = 2
@@ -104,7 +150,7 @@ class ModelConfig:
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "q_lora_rank",
                      "kv_lora_rank", "qk_nope_head_dim", "v_head_dim", "intermediate_size", "n_routed_experts",
                      "num_experts_per_tok", "moe_intermediate_size", "routed_expert_hidden_size",
-                     "attn_res_block_size", "qb_num_bins"):
+                     "attn_res_block_size", "qb_num_bins", "max_position_embeddings"):
             v = getattr(self, name)
             need(isinstance(v, int) and not isinstance(v, bool) and v >= 1, f"{name}={v!r}: must be an integer >= 1")
         for name in ("qk_rope_head_dim", "first_k_dense_replace", "n_shared_experts", "num_nextn_predict_layers"):
@@ -186,7 +232,7 @@ class ModelConfig:
                 n_routed_experts=64, num_experts_per_tok=8, n_shared_experts=1,
                 moe_intermediate_size=1024, routed_expert_hidden_size=512, attn_res_block_size=4,
             )
-        return cls(  # "k3": the published config (K3_SPEC §1)
+        return cls(  # "k3": the published config (docs/k3_reference.md §1)
             vocab_size=163840, hidden_size=7168, num_hidden_layers=93,
             full_attn_layers=list(range(4, 93, 4)) + [93],
             linear_attn_config=dict(num_heads=96, head_dim=128, short_conv_kernel_size=4,
@@ -197,35 +243,71 @@ class ModelConfig:
             n_routed_experts=896, num_experts_per_tok=16, n_shared_experts=2,
             moe_intermediate_size=3072, routed_expert_hidden_size=3584,
             attn_res_block_size=12, bos_token_id=163584, eos_token_id=163586, pad_token_id=163839,
+            max_position_embeddings=1048576,
         )
 
     @classmethod
-    def from_hf_config(cls, cfg: dict | str | Path) -> "ModelConfig":
-        """Read a K3 `config.json` (dict or path). Unknown HF keys are ignored; known ones are validated.
+    def from_hf_config(cls, cfg: dict | str | Path, *, source: str | None = None, **overrides) -> "ModelConfig":
+        """Read a K3 ``config.json`` (a path, or its parsed dict) exactly; ``overrides`` then replace fields
+        (experiment switches such as ``backend``).
 
-        A multimodal config's `text_config` is used when present.
+        Accepted: the release's wrapper (``architectures`` [KimiK3ForConditionalGeneration], text fields under
+        ``text_config``) or a bare text config (KimiLinearForCausalLM); the release's names ``num_experts`` /
+        ``num_experts_per_token`` / ``num_shared_experts`` or the dataclass's (given both ways they must agree);
+        the schedule as ``linear_attn_config.full_attn_layers`` and/or ``.kda_layers`` (1-based, together a
+        partition of 1..num_hidden_layers) or as a top-level ``full_attn_layers``. The keys of
+        :data:`HF_CHECKED` must hold what k3lab builds, and ``quantization_config`` must be MXFP4 weights
+        (:func:`k3lab.mxfp4.check_quantization_config`). Keys k3lab does not use are listed in one UserWarning.
+        The fields of :data:`HF_REQUIRED` must be present. Errors are ValueErrors naming the file
+        (``source``, default the path) and the field.
         """
-        if not isinstance(cfg, dict):
-            cfg = json.loads(Path(cfg).read_text())
-        cfg = cfg.get("text_config", cfg)
-        if "hidden_act" in cfg and cfg["hidden_act"] not in HIDDEN_ACTS:
-            raise ValueError(f"hidden_act={cfg['hidden_act']!r}: allowed values are {HIDDEN_ACTS}")
-        names = {f.name for f in dataclasses.fields(cls)} - {"kda_gate", "residual", "mlp_kind", "balancer",
-                                                             "qb_num_bins", "aux_loss_coef", "mtp_loss_weight", "qk_clip_tau",
-                                                             "backend"}
-        kwargs = {k: v for k, v in cfg.items() if k in names}
-        if "linear_attn_config" in kwargs:
-            lac = kwargs["linear_attn_config"]
-            kwargs["linear_attn_config"] = {k: lac[k] for k in _default_linear_attn_config() if k in lac}
-        if cfg.get("mla_use_nope") is False and "qk_rope_head_dim" not in cfg:
-            raise ValueError("mla_use_nope=False needs qk_rope_head_dim")
-        return cls(**kwargs)
+        if isinstance(cfg, dict):
+            where = source or "config"
+        else:
+            where = source or str(cfg)
+            try:
+                cfg = json.loads(Path(cfg).read_text())
+            except FileNotFoundError:
+                raise ValueError(f"{where}: no such config file") from None
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{where}: not valid JSON ({err})") from None
+        kwargs, unused = _parse_hf_config(cfg, where)
+        if unused:
+            warnings.warn(f"{where}: keys k3lab does not use, ignored: {unused}", UserWarning, stacklevel=2)
+        try:
+            out = cls(**kwargs)
+            return out.replace(**overrides) if overrides else out
+        except ValueError as err:
+            raise ValueError(f"{where}: {err}") from None
+
+    def to_hf_config(self) -> dict:
+        """This config as the released ``config.json``: the wrapper with ``text_config``, the release's names,
+        the schedule in ``linear_attn_config`` (``full_attn_layers`` and ``kda_layers``, 1-based), the
+        :data:`HF_CHECKED` keys at the values k3lab builds; experiment switches that differ from their
+        defaults under ``text_config["k3lab"]``. ``from_hf_config(to_hf_config()) == self`` for every config;
+        ``preset("k3").to_hf_config()`` equals the release's text-model fields. JSON-serialisable."""
+        L = self.num_hidden_layers
+        full = list(self.full_attn_layers)
+        lac = dict(self.linear_attn_config, full_attn_layers=full,
+                   kda_layers=[i for i in range(1, L + 1) if i not in full])
+        skip = set(EXPERIMENT_FIELDS) | set(HF_ALIASES.values()) | {"full_attn_layers", "linear_attn_config"}
+        text = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in skip}
+        text.update({hf: getattr(self, name) for hf, name in HF_ALIASES.items()})
+        text.update({key: written for key, (_, written) in HF_CHECKED.items()})
+        text.update(architectures=[HF_TEXT_ARCHITECTURE], model_type=HF_TEXT_MODEL_TYPE, linear_attn_config=lac)
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        switches = {k: getattr(self, k) for k in EXPERIMENT_FIELDS if getattr(self, k) != defaults[k]}
+        if switches:
+            text[HF_EXPERIMENT_KEY] = switches
+        return {"architectures": [HF_ARCHITECTURE], "model_type": HF_MODEL_TYPE, "bos_token_id": self.bos_token_id,
+                "eos_token_id": self.eos_token_id, "pad_token_id": self.pad_token_id,
+                "text_config": dict(sorted(text.items())), "tie_word_embeddings": self.tie_word_embeddings}
 
     # ------------------------------------------------------------------------------------------
     def param_counts(self) -> dict:
         """Parameters by component, total and active per token.
 
-        Counted: every weight of the text backbone as the HF checkpoint names it (K3_SPEC §1.2),
+        Counted: every weight of the text backbone as the HF checkpoint names it (docs/k3_reference.md §1.2),
         including the router's `e_score_correction_bias` (stored, never trained), norm weights and
         AttnRes pseudo-queries; the MTP module when `num_nextn_predict_layers` = 1.
         Active per token: everything a token's forward pass multiplies with — all attention, the
@@ -291,3 +373,112 @@ class ModelConfig:
             add("mtp", 2 * D + 2 * D * D + mla + 2 * D + mlp + D, 0)  # enorm, hnorm, eh_proj, block, final norm
         by = {k: {"total": t, "active": a} for k, (t, a) in comp.items()}
         return {"total": sum(t for t, _ in comp.values()), "active": sum(a for _, a in comp.values()), "by_component": by}
+
+
+# ----------------------------------------------------------------------------------------------
+# config.json parsing (ModelConfig.from_hf_config)
+# ----------------------------------------------------------------------------------------------
+def _check_identity(cfg: dict, prefix: str, where: str) -> None:
+    """``architectures`` / ``model_type`` (where given) must name Kimi K3."""
+    arch = cfg.get("architectures")
+    if arch is not None and not (isinstance(arch, list) and any(a in HF_ARCHITECTURES for a in arch)):
+        raise ValueError(f"{where}: {prefix}architectures={arch!r}: not a Kimi K3 config "
+                         f"(k3lab reads {list(HF_ARCHITECTURES)})")
+    model_type = cfg.get("model_type")
+    if model_type is not None and model_type not in HF_MODEL_TYPES:
+        raise ValueError(f"{where}: {prefix}model_type={model_type!r}: not a Kimi K3 config "
+                         f"(k3lab reads {list(HF_MODEL_TYPES)})")
+
+
+def _layer_list(value, field_name: str, where: str) -> list:
+    if not (isinstance(value, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in value)):
+        raise ValueError(f"{where}: {field_name}={value!r}: must be a list of 1-based layer indices")
+    return list(value)
+
+
+def _parse_hf_config(cfg: dict, where: str) -> tuple[dict, list[str]]:
+    """(ModelConfig keyword arguments, keys k3lab does not use) from a parsed config.json."""
+    def fail(msg: str):
+        raise ValueError(f"{where}: {msg}")
+
+    if not isinstance(cfg, dict):
+        fail(f"a config must be a JSON object, got {type(cfg).__name__}")
+    unused: list[str] = []
+    quant = cfg.get("quantization_config")
+    if "text_config" in cfg:  # the release's multimodal wrapper
+        _check_identity(cfg, "", where)
+        text, prefix = cfg["text_config"], "text_config."
+        if not isinstance(text, dict):
+            fail(f"text_config must be a JSON object, got {type(text).__name__}")
+        text = dict(text)
+        for key in ("bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings"):
+            if key in cfg:
+                if key in text and text[key] != cfg[key]:
+                    fail(f"{key}={cfg[key]!r} and text_config.{key}={text[key]!r} disagree")
+                text[key] = cfg[key]
+        if "quantization_config" in text and quant is not None:
+            fail("quantization_config is given both at the top level and in text_config")
+        unused += [k for k in cfg if k not in HF_WRAPPER_KEYS]  # vision_config, transformers_version, ...
+    else:
+        text, prefix = dict(cfg), ""
+    _check_identity(text, prefix, where)
+    quant = text.pop("quantization_config", quant)
+    if quant is not None:
+        check_quantization_config(quant, where)
+
+    names = {f.name for f in dataclasses.fields(ModelConfig)}
+    for hf, name in HF_ALIASES.items():  # the release's name and the dataclass's name of one field
+        if hf in text:
+            if name in text and text[name] != text[hf]:
+                fail(f"{prefix}{hf}={text[hf]!r} and {prefix}{name}={text[name]!r} disagree "
+                     "(one field under the release's and the DeepSeek-style name)")
+            text[name] = text.pop(hf)
+    for key, (allowed, _) in HF_CHECKED.items():
+        value = text.pop(key, allowed[0])
+        if value not in allowed or isinstance(value, bool) != isinstance(allowed[0], bool):
+            fail(f"{prefix}{key}={value!r}: k3lab builds {allowed[0]!r} only (allowed values: {allowed})")
+    switches = text.pop(HF_EXPERIMENT_KEY, {})
+    if not isinstance(switches, dict) or set(switches) - set(EXPERIMENT_FIELDS):
+        fail(f"{prefix}{HF_EXPERIMENT_KEY}={switches!r}: k3lab's switches are a dict with keys from {EXPERIMENT_FIELDS}")
+    missing = [k for k in HF_REQUIRED if k not in text]
+    if missing:
+        fail(f"missing field(s) {[prefix + k for k in missing]} (a K3 config gives every one; Kimi Linear or "
+             "DeepSeek configs without the latent MoE / AttnRes fields are not K3)")
+
+    lac = text.pop("linear_attn_config")
+    if not isinstance(lac, dict):
+        fail(f"{prefix}linear_attn_config={lac!r}: must be a JSON object")
+    lac = dict(lac)
+    missing = [k for k in HF_LINEAR_ATTN_REQUIRED if k not in lac]
+    if missing:
+        fail(f"missing field(s) {[prefix + 'linear_attn_config.' + k for k in missing]}")
+    L = text["num_hidden_layers"]
+    if not isinstance(L, int) or L < 1:
+        fail(f"{prefix}num_hidden_layers={L!r}: must be an integer >= 1")
+    lac_full = f"{prefix}linear_attn_config.full_attn_layers"
+    full = _layer_list(lac.pop("full_attn_layers"), lac_full, where) if "full_attn_layers" in lac else None
+    if "full_attn_layers" in text:
+        top = _layer_list(text.pop("full_attn_layers"), f"{prefix}full_attn_layers", where)
+        if full is not None and full != top:
+            fail(f"{prefix}full_attn_layers={top} and {lac_full}={full} disagree")
+        full = top
+    if "kda_layers" in lac:
+        kda_field = f"{prefix}linear_attn_config.kda_layers"
+        kda = _layer_list(lac.pop("kda_layers"), kda_field, where)
+        if full is None:
+            full = [i for i in range(1, L + 1) if i not in kda]
+        both = sorted(set(kda) & set(full))
+        neither = sorted(set(range(1, L + 1)) - set(kda) - set(full))
+        outside = sorted(i for i in kda if not 1 <= i <= L)
+        if both or neither or outside or len(set(kda)) != len(kda):
+            fail(f"{kda_field} contradicts {lac_full}: together they must list each layer 1..{L} once "
+                 f"(in both: {both}, in neither: {neither}, outside 1..{L}: {outside}, "
+                 f"repeated: {sorted(i for i in set(kda) if kda.count(i) > 1)})")
+    if full is None:
+        fail(f"missing field {lac_full} (or .kda_layers): the layer schedule")
+    known_lac = set(_default_linear_attn_config())
+    unused += [f"{prefix}linear_attn_config.{k}" for k in lac if k not in known_lac]
+    kwargs = {k: v for k, v in text.items() if k in names and k not in EXPERIMENT_FIELDS}
+    unused += [prefix + k for k in text if k not in kwargs and k not in ("architectures", "model_type")]
+    kwargs.update(switches, full_attn_layers=full, linear_attn_config={k: v for k, v in lac.items() if k in known_lac})
+    return kwargs, unused

@@ -8,12 +8,13 @@ from k3lab.backend import resolve_backend, resolve_device
 from k3lab.config import ModelConfig
 from k3lab.nb import check_param, check_params
 
-# the K3 text backbone's config.json fields (K3_SPEC §1), as a reader would get them from the hub
+# the K3 text backbone's config.json fields (docs/k3_reference.md §1) in k3lab's earlier style: DeepSeek-style
+# expert names and a top-level full_attn_layers (tests/test_hf_config.py reads the release's own file)
 K3_HF_CONFIG = {
     "architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_k3", "vocab_size": 163840,
     "hidden_size": 7168, "num_hidden_layers": 93, "full_attn_layers": list(range(4, 93, 4)) + [93],
     "linear_attn_config": {"num_heads": 96, "head_dim": 128, "short_conv_kernel_size": 4,
-                           "gate_lower_bound": -5.0, "use_full_rank_gate": True, "kda_layers": []},
+                           "gate_lower_bound": -5.0, "use_full_rank_gate": True},
     "num_attention_heads": 96, "num_key_value_heads": 96, "q_lora_rank": 1536, "kv_lora_rank": 512,
     "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "mla_use_nope": True,
     "mla_use_output_gate": True, "n_routed_experts": 896, "num_experts_per_tok": 16, "n_shared_experts": 2,
