@@ -1,4 +1,6 @@
 """k3lab.data: corpus, tokenizers, splits, batches, MQAR, passkey."""
+import re
+
 import pytest
 import torch
 
@@ -107,12 +109,6 @@ def test_mqar_deterministic_and_filler_modes():
     assert torch.all(x0[filler] == 0) and (a[0][filler] != 0).float().mean() > 0.9
 
 
-def test_mqar_docstring_row():
-    x, y = mqar(16, 1, 16, 2, seed=0)
-    assert x[0].tolist() == [7, 12, 3, 10, 7, 3, 14, 7, 3, 1, 9, 9, 15, 0, 15, 10]
-    assert {t: v for t, v in enumerate(y[0].tolist()) if v != IGNORE_INDEX} == {4: 12, 8: 10}
-
-
 @pytest.mark.parametrize("kwargs, field", [
     (dict(vocab_size=64, seq_len=15, num_kv_pairs=4), "seq_len"),
     (dict(vocab_size=8, seq_len=64, num_kv_pairs=4), "vocab_size"),
@@ -165,9 +161,23 @@ def test_passkey_bare_vocab_lengths_and_errors():
 
 
 def test_mqar_docstring_worked_row_is_real():
-    """The row shown in mqar's docstring is what the function returns."""
-    from k3lab.data import mqar
-
-    inputs, labels = mqar(vocab_size=16, num_examples=1, seq_len=16, num_kv_pairs=2, seed=0)
-    assert inputs[0].tolist() == [7, 12, 3, 10, 7, 3, 14, 7, 3, 1, 9, 9, 15, 0, 15, 10]
-    assert {i: v for i, v in enumerate(labels[0].tolist()) if v != -100} == {4: 12, 8: 10}
+    """The worked row in mqar's docstring (its call, inputs and labels) is what mqar returns, read
+    from the docstring itself, so the two cannot drift apart; and the row obeys the task's rules:
+    each label is the value paired with the query key in the first 2·P positions."""
+    doc = mqar.__doc__
+    call = re.search(r"``mqar\((vocab_size=.*?)\)``", doc).group(1)  # "vocab_size=16, num_examples=1, ..."
+    kwargs = {k.strip(): int(v) for k, v in (item.split("=") for item in call.split(","))}
+    table = {}
+    for line in doc.splitlines():
+        words = line.replace("|", " ").split("(")[0].split()
+        if words and words[0] in ("inputs", "labels"):
+            table[words[0]] = [IGNORE_INDEX if w == "." else int(w) for w in words[1:]]
+    assert len(table["inputs"]) == len(table["labels"]) == kwargs["seq_len"]
+    inputs, labels = mqar(**kwargs)
+    assert inputs[0].tolist() == table["inputs"]
+    assert labels[0].tolist() == table["labels"]
+    P = kwargs["num_kv_pairs"]
+    pairs = dict(zip(table["inputs"][0:2 * P:2], table["inputs"][1:2 * P:2]))
+    queried = {t: table["inputs"][t] for t, v in enumerate(table["labels"]) if v != IGNORE_INDEX}
+    assert sorted(queried.values()) == sorted(pairs)  # every key queried once
+    assert all(table["labels"][t] == pairs[key] for t, key in queried.items())

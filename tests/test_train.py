@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import SafetensorError
 from torch import nn
 
 from k3lab.data import batch_iterator
@@ -133,8 +134,8 @@ def test_checkpoint_loading_never_unpickles(tmp_path):
     _, result = tiny_run(steps=4, out_dir=tmp_path, resume_from=tmp_path)  # stray pickles ignored
     assert result.step == 4 and not marker.exists()
     (ckpt / "model.safetensors").write_bytes(pickle.dumps(Boom(str(marker))))
-    with pytest.raises(Exception):
-        load_checkpoint(ckpt, TinyLM())  # a pickle in place of the weights is refused
+    with pytest.raises(SafetensorError, match="deserializing header"):
+        load_checkpoint(ckpt, TinyLM())  # a pickle in place of the weights is refused by the safetensors reader
     assert not marker.exists()
 
 
