@@ -37,7 +37,6 @@ OUTSIDE = [
     ("distributed.md", r"\bDISTRIBUTED\.md\b", "the distributed-training notes"),
     ("k3_checkpoint.md", r"\bK3_CHECKPOINT\.md\b", "the checkpoint notes (cite docs/hf_checkpoint.md)"),
     (".md", r"\b(?:LAYOUT|STYLE|DATA)\.md\b", "the design notes"),
-    ("k3_config.json", r"\bk3_config\.json\b", "the spec's config copy"),
     ("_anchor.py", r"\b\w+_anchor\.py\b", "an anchor script outside the repo (describe it; name the kernels/ script that exists)"),
     ("_probe.py", r"\b\w+_probe\.py\b", "a probe script outside the repo"),
     (".py", r"\b(?:probe_ops|k3_saved_bytes|autotune_cache)\.py\b", "a probe script outside the repo"),
