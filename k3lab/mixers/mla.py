@@ -38,6 +38,16 @@ from k3lab.config import ModelConfig
 Tensor = torch.Tensor
 
 MLA_LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the RMSNorm class default in the HF code
+
+
+def latent_norm(norm: nn.RMSNorm, x: Tensor) -> Tensor:
+    """``norm(x)`` for a latent that bf16 autocast left in bf16 while the weight is fp32: computed in the
+    promoted dtype and returned in x's dtype, bit-equal to torch's mixed-dtype fallback without its
+    "Mismatch dtype between input and weight" UserWarning. Same dtypes: ``norm(x)`` itself."""
+    if x.dtype == norm.weight.dtype:
+        return norm(x)
+    dtype = torch.promote_types(x.dtype, norm.weight.dtype)
+    return F.rms_norm(x.to(dtype), norm.normalized_shape, norm.weight.to(dtype), norm.eps).to(x.dtype)
 ATTN_FORMS = ("auto", "naive", "absorbed")
 ABSORBED_MAX_QUERIES = 16  # "auto": a call with a cache and at most this many new tokens decodes in absorbed form
 MAX_LOGIT_QUERY_CHUNK = 1024  # query rows per matmul when max_logit is computed beside a fused kernel
@@ -164,10 +174,10 @@ class GatedMLA(nn.Module):
     def project(self, x: Tensor, offset: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """x [B, T, D] -> q_nope [B, T, H, nope], q_rope [B, T, H, rope], c_kv [B, T, R], k_rope [B, T, rope]."""
         B, T, _ = x.shape
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).view(B, T, self.num_heads, self.qk_head_dim)
+        q = self.q_b_proj(latent_norm(self.q_a_layernorm, self.q_a_proj(x))).view(B, T, self.num_heads, self.qk_head_dim)
         q_nope, q_rope = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         c_kv, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
-        c_kv = self.kv_a_layernorm(c_kv)
+        c_kv = latent_norm(self.kv_a_layernorm, c_kv)
         if self.use_rope:
             positions = torch.arange(offset, offset + T, device=x.device) if self.cp is None else \
                 self.cp.positions(T, x.device)  # context parallel: global positions
