@@ -28,6 +28,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 Tensor = torch.Tensor
 
@@ -77,17 +78,23 @@ class AttnResStream:
     over tokens (detached) — for depth-attention heatmaps; None records nothing.
     """
 
-    def __init__(self, embeddings: Tensor, sublayers_per_block: int, recorder: list | None = None):
+    def __init__(self, embeddings: Tensor, sublayers_per_block: int, recorder: list | None = None,
+                 recompute: bool = False):
         if sublayers_per_block < 1:
             raise ValueError(f"sublayers_per_block={sublayers_per_block}: must be >= 1")
         self.sublayers_per_block = sublayers_per_block
         self.recorder = recorder
+        self.recompute = recompute  # keep only the sources for backward; rebuild the fp32 stack there
         self.blocks: list[Tensor] = []  # completed block representations (the embedding first)
         self.prefix_sum: Tensor | None = embeddings  # partial sum of the current block
         self.sublayer = 0  # index of the next sublayer
 
     def _mix(self, proj: nn.Linear, norm: nn.RMSNorm, name: str) -> Tensor:
-        h, p = attn_res([*self.blocks, self.prefix_sum], proj, norm)
+        sources = [*self.blocks, self.prefix_sum]
+        if self.recompute and torch.is_grad_enabled():  # exact: the same ops again in backward
+            h, p = checkpoint(attn_res, sources, proj, norm, use_reentrant=False)
+        else:
+            h, p = attn_res(sources, proj, norm)
         if self.recorder is not None:
             self.recorder.append((name, p.detach().flatten(1).mean(dim=1).float().cpu()))
         return h
@@ -112,10 +119,12 @@ class AttnResStream:
         return self._mix(proj, norm, "output")
 
 
-def residual_stream(kind: str, embeddings: Tensor, sublayers_per_block: int, recorder: list | None = None):
-    """"attnres" -> AttnResStream, "prenorm" -> PreNormStream (cfg.residual)."""
+def residual_stream(kind: str, embeddings: Tensor, sublayers_per_block: int, recorder: list | None = None,
+                    recompute: bool = False):
+    """"attnres" -> AttnResStream, "prenorm" -> PreNormStream (cfg.residual); ``recompute``: AttnRes mixes
+    recomputed in backward (k3lab.memory)."""
     if kind == "attnres":
-        return AttnResStream(embeddings, sublayers_per_block, recorder)
+        return AttnResStream(embeddings, sublayers_per_block, recorder, recompute)
     if kind == "prenorm":
         return PreNormStream(embeddings)
     raise ValueError(f"residual={kind!r}: allowed values are ('attnres', 'prenorm')")

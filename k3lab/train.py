@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -28,12 +29,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 from torch import nn
-from tqdm.auto import tqdm
+from tqdm import tqdm  # text bar on stdout: a saved notebook keeps its finished state (no widget)
 
 from k3lab.backend import resolve_device
 from k3lab.checkpoint import (CHECKPOINT_FORMAT, _plain_config, _set_rng_state,  # noqa: F401 (re-exported)
                               load_checkpoint, resolve_checkpoint, save_checkpoint)
 from k3lab.compile import COMPILE_MODES, compile_model
+from k3lab.memory import RECOMPUTE_MODES, apply_recompute
 from k3lab.optim import build_optimizer, set_lr
 
 OPTIMIZERS = ("adamw", "muon")
@@ -67,6 +69,7 @@ class TrainConfig:
     device: str = "auto"                      # "auto" | "cpu" | "cuda" | "cuda:N"
     dtype: str = "float32"                    # "float32" | "bfloat16" (autocast; weights stay fp32)
     compile: str = "none"                     # COMPILE_MODES: "none" (eager) | "sublayer" (k3lab.compile)
+    recompute: str = "none"                   # RECOMPUTE_MODES: "none" | "selective" | "sublayer" (k3lab.memory)
     progress: bool = True                     # tqdm progress bar
     name: str = "train"                       # run name: the progress bar's label
 
@@ -93,6 +96,7 @@ class TrainConfig:
         need(isinstance(self.optimizer_kwargs, dict), "optimizer_kwargs", "must be a dict")
         need(self.dtype in DTYPES, "dtype", f"allowed values are {DTYPES}")
         need(self.compile in COMPILE_MODES, "compile", f"allowed values are {COMPILE_MODES}")
+        need(self.recompute in RECOMPUTE_MODES, "recompute", f"allowed values are {RECOMPUTE_MODES}")
         need(isinstance(self.device, str) and (self.device in ("auto", "cpu", "cuda")
                                                or self.device.startswith("cuda:")),
              "device", "allowed values are 'auto', 'cpu', 'cuda', 'cuda:N'")
@@ -204,6 +208,7 @@ def fit(model: nn.Module, train_batches, cfg: TrainConfig, val_batches=None,
     """
     device = resolve_device(cfg.device)
     model.to(device).train()
+    apply_recompute(model, cfg.recompute)  # before compiling: the checkpoint wrappers are traced too
     compile_model(model, cfg.compile)  # "sublayer": torch.compile each mixer and MLP in place (same state_dict)
     optimizer = build_optimizer(model, cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay,
                                 betas=cfg.betas, **cfg.optimizer_kwargs)
@@ -238,7 +243,8 @@ def fit(model: nn.Module, train_batches, cfg: TrainConfig, val_batches=None,
                            elapsed=elapsed_before + time.perf_counter() - t0)
 
     iterator = None if callable(train_batches) else iter(train_batches)
-    bar = tqdm(total=cfg.steps, initial=step, desc=cfg.name, disable=not cfg.progress, dynamic_ncols=True)
+    bar = tqdm(total=cfg.steps, initial=step, desc=cfg.name, disable=not cfg.progress, file=sys.stdout,
+               dynamic_ncols=sys.stdout.isatty())
     t0 = time.perf_counter()
     try:
         while step < end:

@@ -5,7 +5,8 @@
     python kernels/bench_train.py --configs small-4x4096 kda-anchor-8x4096 --steps 20 --json out.json
     python kernels/bench_train.py --device cpu --configs tiny-2x64 --steps 2 --warmup 1   # CPU smoke test
 
-A config is ``MODEL-BxT`` (batch B of T tokens, synthetic random token ids, no downloads):
+A config is ``MODEL-BxT`` (batch B of T tokens, synthetic random token ids, no downloads), optionally
+with per-config settings that override the command line's, e.g. ``small-16x1024@compile=sublayer,recompute=selective,fused_loss=on``:
 
 * ``small``      the ``small`` preset (hybrid KDA + Gated MLA, LatentMoE, Attention Residuals);
 * ``kda-anchor`` a pure-KDA dense k3lab model shaped like fla's anchor: 24 layers, D = 1024, 8 KDA heads
@@ -73,6 +74,7 @@ if ROOT not in sys.path:  # run as a script from anywhere: the repo's k3lab firs
     sys.path.insert(0, ROOT)
 
 from k3lab.compile import COMPILE_MODES  # noqa: E402
+from k3lab.memory import RECOMPUTE_MODES  # noqa: E402
 
 MODELS = ("small", "kda-anchor", "fla-kda-anchor", "tiny")
 DEFAULT_CONFIGS = ("small-16x1024", "small-8x4096", "kda-anchor-8x4096", "fla-kda-anchor-8x4096")
@@ -89,15 +91,30 @@ class Spec:
     model: str
     B: int
     T: int
+    options: tuple = ()  # ((key, value), ...) from "@key=value,...": overrides of --compile/--recompute/--fused-loss
+
+    def option(self, key: str, default):
+        return dict(self.options).get(key, default)
+
+
+OPTIONS = {"compile": COMPILE_MODES, "recompute": RECOMPUTE_MODES, "fused_loss": ("on", "off")}
 
 
 def parse_config(name: str) -> Spec:
-    """``MODEL-BxT`` -> Spec; ValueError naming the allowed forms otherwise."""
-    m = re.fullmatch(r"(.+)-(\d+)x(\d+)", name)
+    """``MODEL-BxT[@key=value,...]`` -> Spec; ValueError naming the allowed forms otherwise. The options
+    (:data:`OPTIONS`: compile, recompute, fused_loss) override the command-line settings for this config."""
+    m = re.fullmatch(r"(.+?)-(\d+)x(\d+)(?:@(.+))?", name)
     if m is None or m.group(1) not in MODELS or int(m.group(2)) < 1 or int(m.group(3)) < 2:
-        raise ValueError(f"config {name!r}: must be MODEL-BxT with MODEL in {MODELS}, B >= 1, T >= 2 "
-                         f"(e.g. {', '.join(DEFAULT_CONFIGS)})")
-    return Spec(name, m.group(1), int(m.group(2)), int(m.group(3)))
+        raise ValueError(f"config {name!r}: must be MODEL-BxT[@key=value,...] with MODEL in {MODELS}, B >= 1, "
+                         f"T >= 2 (e.g. {', '.join(DEFAULT_CONFIGS)}, small-16x1024@compile=sublayer,recompute=selective)")
+    options = []
+    for item in filter(None, (m.group(4) or "").split(",")):
+        key, _, value = item.partition("=")
+        if key not in OPTIONS or value not in OPTIONS[key]:
+            raise ValueError(f"config {name!r}: option {item!r}: allowed are "
+                             + "; ".join(f"{k}={'|'.join(v)}" for k, v in OPTIONS.items()))
+        options.append((key, value))
+    return Spec(name, m.group(1), int(m.group(2)), int(m.group(3)), tuple(options))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -174,7 +191,8 @@ def run_config(spec: Spec, args) -> dict:
     row = dict(config=spec.name, model="fla" if is_fla else "k3lab", B=spec.B, T=spec.T, tokens_per_step=spec.B * spec.T,
                device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                torch=torch.__version__, dtype=args.dtype, optimizer=args.optimizer,
-               compile="none" if is_fla else args.compile, status="ok")
+               compile="none" if is_fla else spec.option("compile", args.compile),
+               recompute="none" if is_fla else spec.option("recompute", args.recompute), status="ok")
     try:
         import triton
 
@@ -198,7 +216,7 @@ def run_config(spec: Spec, args) -> dict:
         if not is_fla:
             row["weights"] = "float32"
             row["fused_loss"] = "off"
-            if args.fused_loss:
+            if spec.option("fused_loss", "on" if args.fused_loss else "off") == "on":
                 if hasattr(model, "fused_loss"):
                     model.fused_loss = True
                     row["fused_loss"] = "on"
@@ -219,7 +237,8 @@ def run_config(spec: Spec, args) -> dict:
         steps = 1 + args.warmup + args.steps
         dtype = "float32" if is_fla and args.fla_weights == "bfloat16" else args.dtype
         cfg = TrainConfig(steps=steps, lr=1e-3, warmup_steps=0, optimizer=args.optimizer, device=str(device),
-                          dtype=dtype, compile=row["compile"], progress=False, name=spec.name)
+                          dtype=dtype, compile=row["compile"], recompute=row["recompute"], progress=False,
+                          name=spec.name)
         t0 = time.perf_counter()
         try:
             result = fit(model, batches, cfg)
@@ -260,14 +279,15 @@ def _millions(n: int) -> str:
 
 def markdown_table(rows: list[dict]) -> str:
     """The rows as a markdown table (a status instead of numbers where a config was skipped or failed)."""
-    head = ("| config | model | compile | fused loss | active / total params | ms/step | tokens/s | MFU | "
+    head = ("| config | model | compile | recompute | fused loss | active / total params | ms/step | tokens/s | MFU | "
             "peak GiB | first step s | loss (first → last) | status |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         params = f"{_millions(r['params_active'])} / {_millions(r['params_total'])}" if "params_active" in r else "–"
         loss = f"{_fmt(r.get('loss_first'), '.3f')} → {_fmt(r.get('loss'), '.3f')}" if "loss" in r else "–"
         lines.append("| " + " | ".join([
-            r["config"], r.get("model", "?"), r.get("compile", "–"), r.get("fused_loss", "–"), params,
+            r["config"].split("@")[0], r.get("model", "?"), r.get("compile", "–"), r.get("recompute", "–"),
+            r.get("fused_loss", "–"), params,
             _fmt(r.get("ms_per_step"), ".1f"), _fmt(r.get("tokens_per_s"), ",.0f"),
             _fmt(r.get("mfu"), ".1f", 100) + ("%" if "mfu" in r else ""), _fmt(r.get("peak_mem_gib"), ".1f"),
             _fmt(r.get("first_step_s"), ".1f"), loss, r.get("status", "?")]) + " |")
@@ -286,7 +306,8 @@ def use_autotune_cache(tgz: str) -> str:
 def child_command(name: str, out: str, args) -> list[str]:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", name, "--child-out", out,
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--dtype", args.dtype,
-           "--optimizer", args.optimizer, "--compile", args.compile, "--device", args.device,
+           "--optimizer", args.optimizer, "--compile", args.compile, "--recompute", args.recompute,
+           "--device", args.device,
            "--peak-flops", repr(args.peak_flops), "--fla-weights", args.fla_weights]
     return cmd + (["--fused-loss"] if args.fused_loss else [])
 
@@ -319,6 +340,8 @@ def main(argv=None):
     parser.add_argument("--optimizer", default="adamw", choices=("adamw", "muon"))
     parser.add_argument("--compile", default="none", choices=COMPILE_MODES,
                         help="TrainConfig.compile for the k3lab configs (default %(default)s)")
+    parser.add_argument("--recompute", default="none", choices=RECOMPUTE_MODES,
+                        help="TrainConfig.recompute for the k3lab configs (k3lab.memory; default %(default)s)")
     parser.add_argument("--fused-loss", action="store_true",
                         help="set model.fused_loss = True where a k3lab model has the attribute")
     parser.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))

@@ -2,26 +2,51 @@
 and the kernels and ops that take it (torch profiler). Used to explain notebook 09's tokens/s and MFU.
 
     python kernels/profile_train_step.py --preset small --batch-size 16 --seq-len 1024 --optimizer adamw
+    python kernels/profile_train_step.py --preset small --compile sublayer --recompute selective --fused-loss
+    python kernels/profile_train_step.py --preset kda-anchor --batch-size 8 --seq-len 4096 --compile sublayer
 
 Same step as ``k3lab.train.fit`` (bf16 autocast, clip, optimizer step, ``after_optimizer_step``), on
 random token ids. Prints: ms per step (median of the timed steps), the share of it the GPU was busy,
-the top CUDA kernels, and the top CPU-side ops by self time.
+the GPU time by kind of kernel (:data:`KINDS`), the top CUDA kernels, and the top CPU-side ops by self time.
+``--preset kda-anchor``: the pure-KDA shape of ``kernels/bench_train.py``.
 """
 
 import argparse
+import re
 import statistics
 import time
 
 import torch
 
+from k3lab.compile import COMPILE_MODES, compile_model
 from k3lab.config import ModelConfig
+from k3lab.memory import RECOMPUTE_MODES, apply_recompute
 from k3lab.model import K3ForCausalLM
 from k3lab.optim import build_optimizer
+
+KINDS = [  # (kind, regex on the CUDA kernel name), first match wins
+    ("our KDA kernels (Triton)", r"^kda_"),
+    ("grouped expert GEMMs", r"grouped|GroupedGemm|group_gemm"),
+    ("dense GEMMs (cuBLAS/CUTLASS)", r"gemm|Gemm|cutlass|nvjet|sm90_xmma|ampere_|wgrad|dgrad|splitK"),
+    ("SDPA / flash attention", r"flash|fmha|attention|cudnn"),
+    ("inductor-fused Triton", r"^triton_"),
+    ("reductions / norms (aten)", r"reduce|Reduce|norm|softmax|Softmax"),
+    ("copies / casts (aten)", r"copy|Copy|cast|to_copy|cat|Cat|index|gather|scatter|Scatter|Index"),
+    ("elementwise (aten)", r"elementwise|vectorized|unrolled"),
+    ("other", r""),
+]
+
+
+def kind_of(name: str) -> str:
+    return next(kind for kind, pattern in KINDS if re.search(pattern, name))
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", default="small", choices=("tiny", "small"))
+    parser.add_argument("--preset", default="small", choices=("tiny", "small", "kda-anchor"))
+    parser.add_argument("--compile", default="none", choices=COMPILE_MODES)
+    parser.add_argument("--recompute", default="none", choices=RECOMPUTE_MODES)
+    parser.add_argument("--fused-loss", action="store_true", help="chunked linear cross-entropy (model.fused_loss)")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--optimizer", default="adamw", choices=("adamw", "muon"))
@@ -34,8 +59,16 @@ def main():
     dev = torch.device(args.device)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
 
-    cfg = ModelConfig.preset(args.preset)
+    if args.preset == "kda-anchor":
+        from bench_train import k3lab_config  # kernels/ is on sys.path when this file runs
+
+        cfg = k3lab_config("kda-anchor")
+    else:
+        cfg = ModelConfig.preset(args.preset)
     model = K3ForCausalLM(cfg).to(dev).train()
+    model.fused_loss = args.fused_loss
+    apply_recompute(model, args.recompute)
+    compile_model(model, args.compile)
     opt = build_optimizer(model, args.optimizer, lr=1e-3, weight_decay=0.1)
     x = torch.randint(0, cfg.vocab_size, (args.batch_size, args.seq_len), device=dev)
 
@@ -71,9 +104,19 @@ def main():
         if ev.device_type == torch.autograd.DeviceType.CUDA:
             gpu[ev.name] = gpu.get(ev.name, 0.0) + ev.device_time / 1e3
     busy = sum(gpu.values())
-    print(f"{args.preset} {args.optimizer} B{args.batch_size} T{args.seq_len}: {ms:.1f} ms/step, "
+    peak = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else float("nan")
+    print(f"{args.preset} {args.optimizer} B{args.batch_size} T{args.seq_len} compile={args.compile} "
+          f"recompute={args.recompute} fused_loss={args.fused_loss}: peak {peak:.1f} GiB, {ms:.1f} ms/step, "
           f"{tokens / ms * 1e3:,.0f} tokens/s, {flops / ms / 1e9:.0f} TFLOP/s (6N), GPU busy {busy:.1f} ms "
           f"({100 * busy / ms:.0f}% of the step)")
+    kinds = {}
+    for name, t in gpu.items():
+        kinds[kind_of(name)] = kinds.get(kind_of(name), 0.0) + t
+    print("GPU time by kind (ms in one step, share of GPU busy time):")
+    for kind, t in sorted(kinds.items(), key=lambda kv: -kv[1]):
+        print(f"  {t:8.2f}  {100 * t / max(busy, 1e-9):5.1f}%  {kind}")
+    launches = sum(1 for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA)
+    print(f"  {launches} kernel launches")
     print("top CUDA kernels (ms in one step):")
     for name, t in sorted(gpu.items(), key=lambda kv: -kv[1])[:args.top]:
         print(f"  {t:8.2f}  {name[:100]}")

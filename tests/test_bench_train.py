@@ -29,6 +29,11 @@ def test_config_names():
     for bad in ("small", "huge-2x64", "tiny-0x64", "tiny-2x"):
         with pytest.raises(ValueError, match="must be MODEL-BxT"):
             bench.parse_config(bad)
+    spec = bench.parse_config("small-16x1024@compile=sublayer,recompute=selective")
+    assert (spec.model, spec.B, spec.T) == ("small", 16, 1024)
+    assert spec.option("recompute", "none") == "selective" and spec.option("fused_loss", "off") == "off"
+    with pytest.raises(ValueError, match="option 'recompute=all'.*recompute=none|selective|sublayer"):
+        bench.parse_config("small-16x1024@recompute=all")
 
 
 def test_anchor_config_is_pure_kda_dense():
@@ -50,14 +55,14 @@ def test_table_reports_oom_and_skips():
 
 def test_cpu_run_writes_finite_rows(tmp_path):
     out = tmp_path / "rows.json"
-    proc = subprocess.run([sys.executable, str(BENCH), "--device", "cpu", "--configs", "tiny-2x64",
+    proc = subprocess.run([sys.executable, str(BENCH), "--device", "cpu", "--configs", "tiny-2x64@recompute=sublayer",
                            "fla-kda-anchor-2x64", "--steps", "2", "--warmup", "1", "--dtype", "float32",
                            "--fused-loss", "--json", str(out)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["peak_flops"] == 790e12 and "H200" in report["peak_source"]
     tiny, fla = report["rows"]
-    assert tiny["status"] == "ok" and tiny["steps_timed"] == 2
+    assert tiny["status"] == "ok" and tiny["steps_timed"] == 2 and tiny["recompute"] == "sublayer"
     for key in ("ms_per_step", "tokens_per_s", "mfu", "peak_mem_gib", "first_step_s", "loss"):
         assert isinstance(tiny[key], float) and math.isfinite(tiny[key]) and tiny[key] > 0, key
     assert fla["status"].startswith("skipped") and "ms_per_step" not in fla

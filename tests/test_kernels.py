@@ -125,6 +125,29 @@ def test_chunk_packed_bf16():
     check_against_reference(1, sum(PACKED[0]), 2, 16, 32, torch.bfloat16, seed=11, lengths=PACKED[0])
 
 
+@needs_kernels
+@pytest.mark.parametrize("lengths, B, T, H, K, V", [
+    ([20, 70], 1, 90, 1, 16, 32),
+    pytest.param(None, 2, 4096, 4, 128, 128, marks=pytest.mark.gpu),
+], ids=["packed-N2-T90", "B2-T4096-H4-K128"])
+def test_chunk_recompute_equals_saving_variant(lengths, B, T, H, K, V):
+    """``recompute=True`` keeps only the inputs and re-runs the forward kernels in backward: the output,
+    final state and every gradient are bit-identical to the saving variant's (deterministic kernels)."""
+    cu_seqlens = None if lengths is None else torch.tensor([0, *accumulate(lengths)], device=DEVICE)
+    inputs = kda_inputs(B, T, H, K, V, torch.bfloat16, seed=3, num_states=lengths and len(lengths))
+    runs = []
+    for recompute in (False, True):
+        leaves = [x.clone().requires_grad_() for x in inputs]
+        o, ht = kda_chunk(*leaves[:5], initial_state=leaves[5], output_final_state=True, cu_seqlens=cu_seqlens,
+                          recompute=recompute)
+        gen = torch.Generator().manual_seed(9)
+        do = torch.randn(o.shape, generator=gen).to(o.dtype).to(DEVICE)
+        torch.autograd.backward([o, ht], [do, torch.randn(ht.shape, generator=gen).to(DEVICE)])
+        runs.append([o, ht, *(x.grad for x in leaves)])
+    for name, a, b in zip(("o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dh0"), *runs):
+        assert torch.equal(a, b), f"{name}: recompute differs from the saving variant"
+
+
 def test_reference_packed_is_per_sequence():
     """The chunked reference with cu_seqlens equals the token-by-token recurrence run on each sequence
     on its own (float64): an independent check of the packing."""

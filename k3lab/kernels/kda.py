@@ -176,10 +176,10 @@ def _sizes(q: Tensor, v: Tensor, packing: Packing | None):
     return B, T, H, K, v.shape[-1], NT, _block(K, MAX_HEAD_DIM), ACTIVATION_DTYPES[q.dtype], PREC
 
 
-def kda_forward(q, k, v, g, beta, scale, initial_state, output_final_state, packing=None):
+def kda_forward(q, k, v, g, beta, scale, initial_state, output_final_state, packing=None, need_output=True):
     """Run the forward kernels (six; five when ``LAUNCH["fwd_wu"]`` folds the solve in); returns
     ``(o, final_state or None, saved)`` with ``saved`` the tensors the backward reads (nothing sequential
-    is recomputed there)."""
+    is recomputed there). ``need_output=False`` (the recompute in backward) skips the output kernel: o is None."""
     B, T, H, K, V, NT, BK, DT, PREC = _sizes(q, v, packing)
     chunks, seqs, N = _packing_args(packing, B)
     f32 = dict(dtype=torch.float32, device=q.device)
@@ -214,6 +214,8 @@ def kda_forward(q, k, v, g, beta, scale, initial_state, output_final_state, pack
         w, u, kg, gl, initial_state, hs, v_new, final_state, T,
         H=H, K=K, V=V, BT=CHUNK, BK=BK, BV=BV, HAS_H0=initial_state is not None,
         STORE_HT=output_final_state, DT=DT, PREC=PREC, **seqs, **_launch("fwd_state"))
+    if not need_output:
+        return None, final_state, (G2, qg, kg, w, gl, Aqk, Akk_inv, Mkk, hs, v_new)
     o = torch.empty_like(v)
     BV = _block(V, LAUNCH["fwd_output"]["BV"])
     kda_fwd_output_kernel[(NT, triton.cdiv(V, BV), B * H)](
@@ -297,18 +299,24 @@ def _kda_chunk_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, sca
 
 @_kda_chunk_fwd.register_fake
 def _(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_indices, chunk_offsets):
+    B, H, K, V = q.shape[0], q.shape[2], q.shape[3], v.shape[3]
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    final_state = q.new_empty(N, H, K, V, dtype=torch.float32) if output_final_state else _empty(q)
+    return (torch.empty_like(v, memory_format=torch.contiguous_format), final_state,
+            *_fake_saved(q, v, chunk_indices))
+
+
+def _fake_saved(q, v, chunk_indices) -> list[Tensor]:
+    """Empty tensors shaped like :data:`SAVED` (the fake implementations' share)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
-    NT = triton.cdiv(T, CHUNK) if cu_seqlens is None else chunk_indices.shape[0]
-    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    NT = triton.cdiv(T, CHUNK) if chunk_indices is None else chunk_indices.shape[0]
     f32 = dict(dtype=torch.float32, device=q.device)
     scores = [q.new_empty(B, T, H, CHUNK, **f32) for _ in range(3)]  # Aqk, Akk_inv, Mkk
-    final_state = q.new_empty(N, H, K, V, **f32) if output_final_state else _empty(q)
-    return (torch.empty_like(v, memory_format=torch.contiguous_format), final_state,
-            q.new_empty(B, T, H, K, **f32),  # G2
+    return [q.new_empty(B, T, H, K, **f32),  # G2
             *(torch.empty_like(q, memory_format=torch.contiguous_format) for _ in range(3)),  # qg, kg, w
             q.new_empty(B, NT, H, K, **f32), *scores, q.new_empty(B, NT, H, K, V),  # gl, A.., hs
-            torch.empty_like(v, memory_format=torch.contiguous_format))  # v_new
+            torch.empty_like(v, memory_format=torch.contiguous_format)]  # v_new
 
 
 @torch.library.custom_op("k3lab::kda_chunk_bwd", mutates_args=())
@@ -358,6 +366,68 @@ def _kda_chunk_backward(ctx, do, dht, *_):
 _kda_chunk_fwd.register_autograd(_kda_chunk_backward, setup_context=_kda_chunk_setup_context)
 
 
+# The recompute variant: the forward keeps only its inputs (q, k, v, g, β, S₀: ~1.3 KB a token and head
+# at K = V = 128 in bf16, against ~4 KB with the intermediates), and the backward re-runs the forward
+# kernels but the output one to rebuild :data:`SAVED` before the six backward kernels. Deterministic,
+# so the gradients are bit-identical to the saving variant's; it costs one more forward pass of the kernels.
+@torch.library.custom_op("k3lab::kda_chunk_fwd_recompute", mutates_args=())
+def _kda_chunk_fwd_recompute(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
+                             initial_state: Optional[Tensor], output_final_state: bool,
+                             cu_seqlens: Optional[Tensor], chunk_indices: Optional[Tensor],
+                             chunk_offsets: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    """``(o, final_state or an empty tensor)``; nothing else outlives the call."""
+    packing = _op_packing(cu_seqlens, chunk_indices, chunk_offsets)
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    o, final_state, _ = kda_forward(q, k, v, g, beta, scale, initial_state, output_final_state, packing)
+    return o, _empty(q) if final_state is None else final_state
+
+
+@_kda_chunk_fwd_recompute.register_fake
+def _(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_indices, chunk_offsets):
+    N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    H, K, V = q.shape[2], q.shape[3], v.shape[3]
+    final_state = q.new_empty(N, H, K, V, dtype=torch.float32) if output_final_state else _empty(q)
+    return torch.empty_like(v, memory_format=torch.contiguous_format), final_state
+
+
+@torch.library.custom_op("k3lab::kda_chunk_fwd_saved", mutates_args=())
+def _kda_chunk_fwd_saved(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
+                         initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor],
+                         chunk_indices: Optional[Tensor], chunk_offsets: Optional[Tensor]) -> list[Tensor]:
+    """:data:`SAVED` rebuilt from the inputs (the forward kernels but the output one)."""
+    packing = _op_packing(cu_seqlens, chunk_indices, chunk_offsets)
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    return list(kda_forward(q, k, v, g, beta, scale, initial_state, False, packing, need_output=False)[2])
+
+
+@_kda_chunk_fwd_saved.register_fake
+def _(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_indices, chunk_offsets):
+    return _fake_saved(q, v, chunk_indices)
+
+
+def _kda_recompute_setup_context(ctx, inputs, output):
+    q, k, v, g, beta, scale, initial_state, output_final_state, *packing = inputs
+    ctx.save_for_backward(q, k, v, g, beta, initial_state, *packing)
+    ctx.scale = scale
+    if not output_final_state:
+        ctx.mark_non_differentiable(output[1])
+    ctx.set_materialize_grads(False)
+
+
+def _kda_recompute_backward(ctx, do, dht):
+    q, k, v, g, beta, initial_state, *packing = ctx.saved_tensors
+    saved = _kda_chunk_fwd_saved(q, k, v, g, beta, ctx.scale, initial_state, *packing)
+    if do is None:
+        do = torch.zeros_like(v)
+    dq, dk, dv, dg, dbeta, dh0 = _kda_chunk_bwd(
+        q, k, v, g, beta, ctx.scale, initial_state, saved, do,
+        None if dht is None else dht.float().contiguous(), *packing)
+    return dq, dk, dv, dg, dbeta, None, dh0 if initial_state is not None else None, None, None, None, None
+
+
+_kda_chunk_fwd_recompute.register_autograd(_kda_recompute_backward, setup_context=_kda_recompute_setup_context)
+
+
 def kda_chunk(
     q: Tensor,
     k: Tensor,
@@ -369,6 +439,7 @@ def kda_chunk(
     output_final_state: bool = False,
     *,
     cu_seqlens: Tensor | None = None,
+    recompute: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     r"""Chunkwise KDA on Triton kernels, differentiable in q, k, v, g, beta and initial_state.
 
@@ -386,6 +457,8 @@ def kda_chunk(
             ``0 = cu_seqlens[0] < ... < cu_seqlens[N] = T``: the inputs are ``[1, T, ...]`` and sequence n is
             tokens ``cu_seqlens[n] .. cu_seqlens[n+1] − 1``, chunked on its own; no state crosses a boundary.
             ``initial_state`` and the final state are then ``[N, H, K, V]`` (one host sync to build the chunk index).
+        recompute: keep only the inputs for backward and re-run the forward kernels there (saves ~2.8 KB a
+            token and head at K = V = 128 in bf16; same gradients bit for bit, one more kernel forward).
     Returns:
         ``(o [B, T, H, V] in v.dtype, final_state [B, H, K, V] (packed: [N, H, K, V]) fp32 or None)``.
     """
@@ -395,8 +468,9 @@ def kda_chunk(
     if initial_state is not None:
         initial_state = initial_state.float().contiguous()
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
-    o, final_state, *_ = _kda_chunk_fwd(q, k, v, g, beta, scale, initial_state, bool(output_final_state),
-                                        *(packing if packing is not None else (None, None, None)))
+    op = _kda_chunk_fwd_recompute if recompute else _kda_chunk_fwd
+    o, final_state, *_ = op(q, k, v, g, beta, scale, initial_state, bool(output_final_state),
+                            *(packing if packing is not None else (None, None, None)))
     return o, final_state if output_final_state else None
 
 

@@ -155,6 +155,7 @@ class KDA(nn.Module):
         self.head_v_dim = V = lac["head_dim"]  # K3: d_k = d_v = 128
         self.conv_size = W = lac["short_conv_kernel_size"]
         self.scale = K ** -0.5
+        self.kernel_recompute = False  # k3lab.memory "selective": the Triton op keeps only its inputs
         D = cfg.hidden_size
 
         self.q_proj = nn.Linear(D, H * K, bias=False)
@@ -216,6 +217,10 @@ class KDA(nn.Module):
         """Run the delta-rule recurrence on the chosen backend; returns ``(o [B, T, H, V], state [B, H, K, V])``."""
         backend = resolve_backend(self.cfg.backend, q.device)
         decode = q.shape[1] == 1
+        if self.kernel_recompute and backend != "triton" and torch.is_grad_enabled():
+            raise ValueError(f"recompute='selective' recomputes the KDA op in our Triton kernels: it needs "
+                             f"backend='triton' (this layer resolves to {backend!r}); use recompute='none' "
+                             "or 'sublayer' (k3lab.memory)")
         if backend == "torch":
             mix = kda_recurrent if decode else kda_chunk
             return mix(q, k, v, g, beta, scale=self.scale, initial_state=initial_state, output_final_state=True)
@@ -245,4 +250,5 @@ class KDA(nn.Module):
                                f"({err}); use backend='torch' or 'fla'") from err
         if decode:
             return kda_decode_step(q, k, v, g, beta, initial_state, scale=self.scale)
-        return triton_kda_chunk(q, k, v, g, beta, scale=self.scale, initial_state=initial_state, output_final_state=True)
+        return triton_kda_chunk(q, k, v, g, beta, scale=self.scale, initial_state=initial_state, output_final_state=True,
+                                recompute=self.kernel_recompute)

@@ -23,24 +23,13 @@ import functools
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
+from k3lab.memory import checkpoint_module, checkpoint_targets
 from k3lab.mixers.kda import KDA
 from k3lab.mixers.mla import GatedMLA
 from k3lab.moe.latent import LatentMoE, RoutedExperts
 from k3lab.parallel.dims import ParallelGroups
-from k3lab.parallel.fsdp import apply_fsdp, sublayers
-
-
-def _checkpointed(module: nn.Module) -> None:
-    """Recompute this sublayer's activations in backward (non-reentrant torch.utils.checkpoint)."""
-    forward = module.forward
-
-    @functools.wraps(forward)
-    def run(*args, **kwargs):
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
-
-    module.forward = run
+from k3lab.parallel.fsdp import apply_fsdp
 
 
 def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
@@ -70,8 +59,8 @@ def parallelize(model: nn.Module, groups: ParallelGroups, device: torch.device, 
             if isinstance(m, (KDA, GatedMLA)):
                 m.cp = ctx
     if activation_checkpointing:
-        for m in sublayers(model):
-            _checkpointed(m)
+        for m in checkpoint_targets(model):
+            checkpoint_module(m)
     if not next(model.parameters()).is_meta:  # a meta model is allocated after sharding (materialize.py)
         model.to(device)
     if groups.world is not None:
