@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
 
 from k3lab.config import ModelConfig
 
@@ -59,10 +60,14 @@ class MLACache:
 
     c_kv:   [B, T_past, kv_lora_rank]      post-norm latent (K3: 512)
     k_rope: [B, T_past, qk_rope_head_dim]  the key part shared by all heads (K3: 64); rotated iff RoPE is on
+    key_mask: [B, T_past] bool or None     True where a cached slot holds a real token (None: all do). Rows of
+            a batch whose prompts had different lengths are padded to one length (k3lab.infer); the padded
+            slots are masked out of attention and a row's RoPE position is its count of real keys.
     """
 
     c_kv: Tensor
     k_rope: Tensor
+    key_mask: Tensor | None = None
 
     @property
     def offset(self) -> int:
@@ -74,14 +79,15 @@ class MLACache:
 
 
 def rope_rotate(x: Tensor, positions: Tensor, theta: float) -> Tensor:
-    """Rotary position embedding (rotate-half layout) at absolute ``positions`` [T].
+    """Rotary position embedding (rotate-half layout) at absolute ``positions`` [T] (or [B, T]: per row).
 
     x: [B, T, ..., P] with P even; pairs (x_i, x_{i+P/2}) rotate by angle pos * theta^(-2i/P).
     """
     P = x.shape[-1]
     inv_freq = theta ** (-torch.arange(0, P, 2, device=x.device, dtype=torch.float64) / P)  # [P/2]
-    angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]  # [T, P/2]
-    shape = (1, x.shape[1]) + (1,) * (x.dim() - 3) + (P // 2,)
+    angles = positions.to(torch.float64)[..., None] * inv_freq  # [T, P/2] or [B, T, P/2]
+    rows = x.shape[0] if positions.dim() == 2 else 1
+    shape = (rows, x.shape[1]) + (1,) * (x.dim() - 3) + (P // 2,)
     cos = angles.cos().to(x.dtype).view(shape)
     sin = angles.sin().to(x.dtype).view(shape)
     x1, x2 = x[..., : P // 2], x[..., P // 2:]
@@ -94,17 +100,21 @@ def causal_mask(T: int, S: int, offset: int, device) -> Tensor:
     return torch.arange(S, device=device)[None, :] <= q_pos
 
 
-def attention_math(q: Tensor, k: Tensor, v: Tensor, scale: float, offset: int) -> tuple[Tensor, Tensor]:
+def attention_math(q: Tensor, k: Tensor, v: Tensor, scale: float, offset: int,
+                   key_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Causal softmax attention in float32 (float64 if q is float64).
 
     q: [B, H, T, K], k: [B, Hk, S, K], v: [B, Hk, S, V] with Hk = H or 1 (MQA broadcasts).
     Query i sits at absolute position offset + i; key j at position j.
+    key_mask: [B, S] bool or None; False hides key j from every query of that row (padded cache slots).
     Returns (o [B, H, T, V] float32/64, max logit per head [H]).
     """
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     with torch.autocast(q.device.type, enabled=False):  # fp32 even inside a bf16 autocast region
         scores = torch.matmul(q.to(dtype), k.to(dtype).transpose(-1, -2)) * scale  # [B, H, T, S]
         mask = causal_mask(q.shape[2], k.shape[2], offset, q.device)
+        if key_mask is not None:
+            mask = mask & key_mask[:, None, None, :]  # [B, 1, T, S]
         scores = scores.masked_fill(~mask, float("-inf"))
         max_logit = scores.detach().amax(dim=(0, 2, 3))  # [H]
         return torch.matmul(scores.softmax(dim=-1), v.to(dtype)), max_logit
@@ -171,16 +181,19 @@ class GatedMLA(nn.Module):
         self.cp = None  # a k3lab.parallel.context.CPContext: context-parallel forward (gathered latent)
 
     # ---------------------------------------------------------------------------------------
-    def project(self, x: Tensor, offset: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """x [B, T, D] -> q_nope [B, T, H, nope], q_rope [B, T, H, rope], c_kv [B, T, R], k_rope [B, T, rope]."""
+    def project(self, x: Tensor, offset: int, positions: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """x [B, T, D] -> q_nope [B, T, H, nope], q_rope [B, T, H, rope], c_kv [B, T, R], k_rope [B, T, rope].
+
+        positions: RoPE positions [B, T] per row (None: ``offset .. offset+T-1`` for every row)."""
         B, T, _ = x.shape
         q = self.q_b_proj(latent_norm(self.q_a_layernorm, self.q_a_proj(x))).view(B, T, self.num_heads, self.qk_head_dim)
         q_nope, q_rope = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         c_kv, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         c_kv = latent_norm(self.kv_a_layernorm, c_kv)
         if self.use_rope:
-            positions = torch.arange(offset, offset + T, device=x.device) if self.cp is None else \
-                self.cp.positions(T, x.device)  # context parallel: global positions
+            if positions is None:
+                positions = torch.arange(offset, offset + T, device=x.device) if self.cp is None else \
+                    self.cp.positions(T, x.device)  # context parallel: global positions
             q_rope = rope_rotate(q_rope, positions, self.rope_theta)
             k_rope = rope_rotate(k_rope, positions, self.rope_theta)
         return q_nope, q_rope, c_kv, k_rope
@@ -190,8 +203,11 @@ class GatedMLA(nn.Module):
         W = self.kv_b_proj.weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
         return W[:, : self.qk_nope_head_dim], W[:, self.qk_nope_head_dim:]
 
-    def attend_naive(self, q_nope: Tensor, q_rope: Tensor, c_kv: Tensor, k_rope: Tensor, offset: int) -> Tensor:
-        """Per-head keys/values expanded from the latent. Returns o [B, T, H, V] in float32 (float64 in)."""
+    def attend_naive(self, q_nope: Tensor, q_rope: Tensor, c_kv: Tensor, k_rope: Tensor, offset: int,
+                     key_mask: Tensor | None = None) -> Tensor:
+        """Per-head keys/values expanded from the latent. Returns o [B, T, H, V] in float32 (float64 in).
+
+        key_mask: [B, S] bool or None (see :class:`MLACache`)."""
         B, S, _ = c_kv.shape
         H = self.num_heads
         kv = self.kv_b_proj(c_kv).view(B, S, H, self.qk_nope_head_dim + self.v_head_dim)
@@ -199,7 +215,13 @@ class GatedMLA(nn.Module):
         k = torch.cat([k_nope, k_rope[:, :, None, :].expand(B, S, H, self.qk_rope_head_dim)], dim=-1)
         q = torch.cat([q_nope, q_rope], dim=-1)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T|S, K|V]
-        fused = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and offset == 0 and q.shape[2] == S
+        low_precision = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and key_mask is None
+        fused = low_precision and offset == 0 and q.shape[2] == S
+        if low_precision and offset > 0 and q.shape[2] + offset == S and not (self.training and self.track_max_logit):
+            # a prompt chunk on top of a cache (chunked prefill): the causal mask aligns bottom-right; SDPA's
+            # memory-efficient kernel takes that mask without materialising [T, S] (qk 192 / v 128 allowed)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q.shape[2], S), scale=self.scale)
+            return o.float().transpose(1, 2)
         if fused:
             # flash refuses qk 192 / v 128; cuDNN runs it (efficient-attention backward is ~10x slower)
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
@@ -207,20 +229,23 @@ class GatedMLA(nn.Module):
             if self.training and self.track_max_logit:
                 self.max_logit = causal_max_logit(q, k, self.scale)
         else:
-            o, max_logit = attention_math(q, k, v, self.scale, offset)
+            o, max_logit = attention_math(q, k, v, self.scale, offset, key_mask)
             if self.training and self.track_max_logit:
                 self.max_logit = max_logit.float()
         return o.transpose(1, 2)
 
-    def attend_absorbed(self, q_nope: Tensor, q_rope: Tensor, c_kv: Tensor, k_rope: Tensor, offset: int) -> Tensor:
-        """MQA over the latent [c_kv ; k_rope] (one KV head). Returns o [B, T, H, V] in float32 (float64 in)."""
+    def attend_absorbed(self, q_nope: Tensor, q_rope: Tensor, c_kv: Tensor, k_rope: Tensor, offset: int,
+                        key_mask: Tensor | None = None) -> Tensor:
+        """MQA over the latent [c_kv ; k_rope] (one KV head). Returns o [B, T, H, V] in float32 (float64 in).
+
+        key_mask: [B, S] bool or None (see :class:`MLACache`)."""
         W_UK, W_UV = self.kv_b_weights()  # [H, nope, R], [H, V, R]
         dtype = torch.float64 if q_nope.dtype == torch.float64 else torch.float32
         with torch.autocast(q_nope.device.type, enabled=False):
             q_latent = torch.einsum("bthn,hnr->bthr", q_nope.to(dtype), W_UK.to(dtype))  # [B, T, H, R]
             q = torch.cat([q_latent, q_rope.to(dtype)], dim=-1).transpose(1, 2)  # [B, H, T, R + rope]
             k = torch.cat([c_kv, k_rope], dim=-1)[:, None]  # [B, 1, S, R + rope]
-            o_latent, max_logit = attention_math(q, k, c_kv[:, None], self.scale, offset)  # [B, H, T, R]
+            o_latent, max_logit = attention_math(q, k, c_kv[:, None], self.scale, offset, key_mask)  # [B, H, T, R]
             o = torch.einsum("bhtr,hvr->bthv", o_latent, W_UV.to(dtype))  # [B, T, H, V]
         if self.training and self.track_max_logit:
             self.max_logit = max_logit.float()
@@ -231,7 +256,11 @@ class GatedMLA(nn.Module):
             raise ValueError(f"attn_form={self.attn_form!r}: allowed values are {ATTN_FORMS}")
         B, T, _ = x.shape
         offset = 0 if cache is None else cache.offset
-        q_nope, q_rope, c_kv, k_rope = self.project(x, offset)
+        key_mask = positions = None
+        if cache is not None and cache.key_mask is not None:  # rows padded to one length (batched decoding)
+            positions = cache.key_mask.sum(1, keepdim=True) + torch.arange(T, device=x.device)  # [B, T] real positions
+            key_mask = torch.cat([cache.key_mask, cache.key_mask.new_ones(B, T)], dim=1)  # [B, S]
+        q_nope, q_rope, c_kv, k_rope = self.project(x, offset, positions)
         if self.cp is not None:  # context parallel: gathered latent, global-position mask (cache must be None)
             o, c_kv, k_rope = self.cp.mla_attend(self, q_nope, q_rope, c_kv, k_rope, cache)
             o = o.flatten(2)  # [B, T, H*V]; c_kv, k_rope: the whole sequence
@@ -242,10 +271,10 @@ class GatedMLA(nn.Module):
             absorbed = self.attn_form == "absorbed" or (
                 self.attn_form == "auto" and cache is not None and T <= ABSORBED_MAX_QUERIES)
             attend = self.attend_absorbed if absorbed else self.attend_naive
-            o = attend(q_nope, q_rope, c_kv, k_rope, offset).flatten(2)  # [B, T, H*V], fp32: K3 keeps it so
+            o = attend(q_nope, q_rope, c_kv, k_rope, offset, key_mask).flatten(2)  # [B, T, H*V], fp32: K3 keeps it so
         if self.use_output_gate:
             o = torch.sigmoid(self.g_proj(x).to(o.dtype)) * o  # G1 gate: elementwise, from the layer input
-        return self.o_proj(o.to(x.dtype)), MLACache(c_kv, k_rope)
+        return self.o_proj(o.to(x.dtype)), MLACache(c_kv, k_rope, key_mask)
 
     def cache_numbers_per_token(self) -> int:
         """Numbers cached per token by this layer: kv_lora_rank + qk_rope_head_dim (576 in K3)."""

@@ -1,8 +1,9 @@
-"""Generation with the hybrid cache: prefill once, then one token at a time (K3 spec §2.5, §3).
+"""The three costs of inference measured on a model, and per-token losses for long-context curves.
 
 The cache a K3 model carries between calls is fixed-size for KDA layers (a [H, K, V] state and
 three short-conv tails) and grows by kv_lora_rank + qk_rope_head_dim numbers a token per MLA
-layer (the absorbed-form latent). A decode step costs O(1) in KDA and O(context) in MLA.
+layer (the absorbed-form latent). A decode step costs O(1) in KDA and O(context) in MLA
+(docs/k3_reference.md §2, §3; the predicted costs: k3lab.costs).
 """
 
 from __future__ import annotations
@@ -12,42 +13,6 @@ import time
 import torch
 
 Tensor = torch.Tensor
-
-
-def sample_next(logits: Tensor, temperature: float = 0.0, top_k: int | None = None,
-                generator: torch.Generator | None = None) -> Tensor:
-    """logits [B, vocab] -> next token ids [B]: greedy at temperature 0, else softmax(logits / T) over the top k."""
-    if temperature < 0:
-        raise ValueError(f"temperature={temperature}: must be >= 0")
-    if top_k is not None and top_k < 1:
-        raise ValueError(f"top_k={top_k}: must be None or >= 1")
-    if temperature == 0:
-        return logits.argmax(dim=-1)
-    logits = logits.float() / temperature
-    if top_k is not None:
-        kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]  # [B, 1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator)[:, 0]
-
-
-@torch.no_grad()
-def generate(model, input_ids: Tensor, max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None,
-             generator: torch.Generator | None = None) -> Tensor:
-    """Continue `input_ids` [B, T] by `max_new_tokens` tokens using the model's cache.
-
-    `model(ids, cache=...)` must return an object with `.logits` [B, T, vocab] and `.cache`
-    (k3lab.outputs.CausalLMOutput). Returns [B, T + max_new_tokens].
-    """
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens={max_new_tokens}: must be >= 0")
-    out = model(input_ids)  # prefill
-    tokens = [input_ids]
-    for step in range(max_new_tokens):
-        nxt = sample_next(out.logits[:, -1], temperature, top_k, generator)[:, None]  # [B, 1]
-        tokens.append(nxt)
-        if step + 1 < max_new_tokens:
-            out = model(nxt, cache=out.cache)
-    return torch.cat(tokens, dim=1)
 
 
 def _sync(device: torch.device) -> None:

@@ -1,0 +1,66 @@
+r"""Choosing the next token from logits: greedy, temperature, top-k, top-p (nucleus), and the checks of
+those arguments (one place, so `generate`, the streaming form and speculative decoding agree).
+
+With logits ``z [V]`` and temperature ``τ > 0``::
+
+    p_i ∝ exp(z_i / τ)                              softmax at temperature τ
+    top-k:  p_i = 0 unless z_i is among the k largest (ties at the k-th value kept)
+    top-p:  keep the smallest prefix of tokens sorted by p (descending) whose mass reaches p_top
+            (the most likely token always stays), renormalise
+
+``τ = 0`` is greedy: ``argmax_i z_i`` (top-k and top-p do not change the argmax).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+Tensor = torch.Tensor
+
+
+def check_sampling(temperature, top_k, top_p) -> None:
+    """Raise ValueError naming the argument: temperature a finite number >= 0, top_k None or an int
+    >= 1, top_p None or a number in (0, 1]."""
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not math.isfinite(temperature) \
+            or temperature < 0:
+        raise ValueError(f"temperature={temperature!r}: must be a finite number >= 0 (0 = greedy)")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or top_k < 1):
+        raise ValueError(f"top_k={top_k!r}: must be None or an integer >= 1")
+    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, numbers.Real)
+                              or not 0.0 < top_p <= 1.0):
+        raise ValueError(f"top_p={top_p!r}: must be None or a number in (0, 1]")
+
+
+def next_token_probs(logits: Tensor, temperature: float, top_k: int | None = None,
+                     top_p: float | None = None) -> Tensor:
+    """logits [..., V] -> the sampling distribution [..., V] float32 (temperature > 0; see the module docstring)."""
+    check_sampling(temperature, top_k, top_p)
+    if temperature == 0:
+        raise ValueError("temperature=0: greedy decoding has no distribution; use argmax")
+    z = logits.float() / temperature
+    if top_k is not None and top_k < z.shape[-1]:
+        kth = z.topk(top_k, dim=-1).values[..., -1:]  # [..., 1]
+        z = z.masked_fill(z < kth, float("-inf"))
+    probs = z.softmax(dim=-1)
+    if top_p is not None and top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        before = sorted_p.cumsum(dim=-1) - sorted_p  # mass of the tokens ranked above each
+        keep_sorted = before < top_p  # the first token always (before = 0)
+        keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+        probs = probs * keep
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def sample_next(logits: Tensor, temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+                generator: torch.Generator | None = None) -> Tensor:
+    """logits [B, V] -> next token ids [B]: greedy at temperature 0, else a draw from
+    :func:`next_token_probs` (``generator`` on the logits' device, or None)."""
+    check_sampling(temperature, top_k, top_p)
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    probs = next_token_probs(logits, temperature, top_k, top_p)
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]
