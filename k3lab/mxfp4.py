@@ -17,13 +17,17 @@ rounds ``W / 2^(s−127)`` to the nearest E2M1 value, clamped to ±6. Both direc
 :func:`dequantize_reference` is the plain-PyTorch reading of the equation above, kept as an independent
 check for the tests. Dequantized values are exact in bf16 (a 2-bit mantissa times a power of two).
 
-``compressed_tensors`` (which imports transformers) is imported inside the functions that need it, so
-``import k3lab`` stays fast. :func:`check_quantization_config` is plain dict checking and needs no import.
+``compressed_tensors`` (which imports transformers: seconds) and torch are imported inside the functions
+that need them, so ``import k3lab.config`` (which uses :func:`check_quantization_config`, plain dict
+checking) stays light.
 """
 from __future__ import annotations
 
-import torch
-from torch import Tensor
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+    from torch import Tensor
 
 QUANT_METHOD = "compressed-tensors"  # quantization_config.quant_method of the release
 FORMAT = "mxfp4-pack-quantized"  # quantization_config.format (and each config group's format)
@@ -135,17 +139,18 @@ def quantize(w: Tensor, name: str = "weight") -> tuple[Tensor, Tensor]:
     return out["weight_packed"], out["weight_scale"]
 
 
-def dequantize(packed: Tensor, scale: Tensor, dtype: torch.dtype = torch.bfloat16, name: str = "weight",
+def dequantize(packed: Tensor, scale: Tensor, dtype: torch.dtype | None = None, name: str = "weight",
                quant_scheme=None) -> Tensor:
-    """``(weight_packed [m, n/2] uint8, weight_scale [m, n/32] uint8) -> W [m, n]`` in ``dtype`` with
-    compressed-tensors' ``MXFP4PackedCompressor.decompress`` (bf16 result, exact, then cast).
+    """``(weight_packed [m, n/2] uint8, weight_scale [m, n/32] uint8) -> W [m, n]`` in ``dtype`` (None: bf16)
+    with compressed-tensors' ``MXFP4PackedCompressor.decompress`` (bf16 result, exact, then cast).
     ``quant_scheme``: the checkpoint's :func:`scheme` (default: the MXFP4A16 preset)."""
+    import torch
     from compressed_tensors.compressors.mxfp4.base import MXFP4PackedCompressor
 
     check_packed(packed, scale, name)
     out = MXFP4PackedCompressor.decompress({"weight_packed": packed, "weight_scale": scale},
                                            quant_scheme if quant_scheme is not None else scheme())
-    return out["weight"].to(dtype)
+    return out["weight"].to(dtype if dtype is not None else torch.bfloat16)
 
 
 def round_trip(w: Tensor) -> Tensor:
@@ -162,6 +167,8 @@ def round_trip(w: Tensor) -> Tensor:
 
 def check_packed(packed: Tensor, scale: Tensor, name: str = "weight") -> None:
     """ValueError naming ``name`` unless packed is ``[m, n/2]`` uint8 and scale ``[m, n/32]`` uint8."""
+    import torch
+
     if packed.dtype != torch.uint8 or scale.dtype != torch.uint8:
         raise ValueError(f"{name}: weight_packed / weight_scale must be uint8, got {packed.dtype} / {scale.dtype}")
     if packed.dim() != 2 or scale.dim() != 2 or scale.shape[0] != packed.shape[0] \
@@ -181,6 +188,8 @@ def packed_shapes(shape: tuple[int, int]) -> tuple[tuple[int, int], tuple[int, i
 # ----------------------------------------------------------------------------------------------
 def dequantize_reference(packed: Tensor, scale: Tensor) -> Tensor:
     """The equation of the module docstring in plain PyTorch, fp32: ``W[r, 32g+j] = 2^(s_rg−127) · E2M1(code)``."""
+    import torch
+
     check_packed(packed, scale)
     m = packed.shape[0]
     codes = torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(m, -1)        # [m, n] element 2j low nibble
