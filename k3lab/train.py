@@ -243,8 +243,9 @@ def fit(model: nn.Module, train_batches, cfg: TrainConfig, val_batches=None,
                            elapsed=elapsed_before + time.perf_counter() - t0)
 
     iterator = None if callable(train_batches) else iter(train_batches)
+    tty = sys.stdout.isatty()  # a notebook's stdout is not: redraw at most once a second (fewer saved outputs)
     bar = tqdm(total=cfg.steps, initial=step, desc=cfg.name, disable=not cfg.progress, file=sys.stdout,
-               dynamic_ncols=sys.stdout.isatty())
+               dynamic_ncols=tty, mininterval=0.1 if tty else 1.0)
     t0 = time.perf_counter()
     try:
         while step < end:
@@ -278,7 +279,7 @@ def fit(model: nn.Module, train_batches, cfg: TrainConfig, val_batches=None,
                 row["val_loss"] = evaluate(model, val_batches, cfg.eval_batches, device, cfg.dtype)
             if step % cfg.log_every == 0 or step == end or "val_loss" in row:
                 record(row)
-                bar.set_postfix({k: f"{row[k]:.4g}" for k in ("loss", "val_loss", "lr") if k in row})
+                bar.set_postfix({k: f"{row[k]:.4g}" for k in ("loss", "val_loss", "lr") if k in row}, refresh=False)
             bar.update(1)
             if out_dir is not None and (step == end or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0)):
                 meta = dict(step=step, tokens=tokens, elapsed=elapsed_before + time.perf_counter() - t0,
