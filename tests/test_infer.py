@@ -309,3 +309,23 @@ def test_prefix_cache_lru_budget_and_host_tier(model):
     warm = prefill(model, [prompts[0]], prefix_cache=pc)
     assert rel_err(warm.logits, cold.logits) < FP32_TOL
     assert pc.stats()["from_host"] >= 1
+
+
+def test_bench_infer_cpu_smoke(tmp_path, capsys):
+    """kernels/bench_infer.py at a tiny size on CPU: the check and prefill sections run, the cache held after
+    a chunked prefill equals k3lab.costs' prediction, and the table is printed last."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "kernels" / "bench_infer.py"
+    module_spec = importlib.util.spec_from_file_location("bench_infer", path)
+    bench = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(bench)
+    out = tmp_path / "bench.json"
+    assert bench.main(["--cpu-smoke", "--sections", "check", "prefill", "--context", "192", "--chunk", "64",
+                       "--short-context", "32", "--decode-tokens", "3", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["prefill"]["cache_bytes_match"] and res["prefill"]["context"] == 192
+    assert res["check"]["chunked_vs_one_forward"] < FP32_TOL and res["check"]["decode_tokens_equal"]
+    assert capsys.readouterr().out.rstrip().splitlines()[-3].startswith("| decode at 32 tokens")

@@ -102,6 +102,13 @@ def clone(cache: K3Cache, device: torch.device | str | None = None) -> K3Cache:
                     lambda e: MLACache(copy(e.c_kv), copy(e.k_rope), copy(e.key_mask)))
 
 
+def compact(cache: K3Cache) -> K3Cache:
+    """The same cache with every KDA conv tail in its own memory: a tail is a slice of the last
+    ``[B, D, W-1+T]`` conv window of a prefill chunk and would keep the whole window alive."""
+    return map_rows(cache, lambda e: KDACache(e.recurrent, *(t.contiguous() for t in (e.conv_q, e.conv_k, e.conv_v))),
+                    lambda e: e)
+
+
 def stack(caches: list[K3Cache]) -> K3Cache:
     """Rows of several caches in one batch (their rows in order). MLA latents of different lengths are
     padded at the end to the longest and the padding masked (module docstring); equal lengths and no

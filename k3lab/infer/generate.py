@@ -215,7 +215,7 @@ def prefill_rows(model, ids: Tensor, chunk_size: int = DEFAULT_CHUNK_TOKENS, cac
             on_block(end, cache, now - t0)
             t0 = now
         pos = end
-    return Prefilled(cache, step.logits[:, -1], step.residual[:, -1], [T] * ids.shape[0], mtp_cache)
+    return Prefilled(hcache.compact(cache), step.logits[:, -1], step.residual[:, -1], [T] * ids.shape[0], mtp_cache)
 
 
 @torch.no_grad()
