@@ -193,7 +193,7 @@ def save_hf_checkpoint(model: K3ForCausalLM, out_dir: str | os.PathLike, *, dtyp
             tensors = {}
             for unit in shard:
                 for name, t in zip(unit.names, unit.make()):
-                    tensors[name] = t
+                    tensors[name] = t.cpu()
                     weight_map[name] = fname
                     bar.update(1)
             save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
@@ -373,7 +373,7 @@ def load_hf_checkpoint(path: str | os.PathLike, *, layers=None, embeddings: bool
                              f"config.json and the checkpoint disagree, or the checkpoint is incomplete)")
         return "plain", hf_name
 
-    handles: dict[str, object] = {}
+    handles: dict[str, tuple[object, set[str]]] = {}  # shard -> (open safetensors file, its tensor names)
     out = LoadedCheckpoint(model, cfg, path, layer_list)
     with ExitStack() as stack:
         def tensor(stored: str) -> Tensor:
@@ -382,9 +382,10 @@ def load_hf_checkpoint(path: str | os.PathLike, *, layers=None, embeddings: bool
                 file = path / shard
                 if not file.is_file():
                     raise ValueError(f"{file}: missing shard ({map_file.name} names it for {stored})")
-                handles[shard] = stack.enter_context(_open_shard(file))
-            f = handles[shard]
-            if stored not in f.keys():
+                f = stack.enter_context(_open_shard(file))
+                handles[shard] = (f, set(f.keys()))
+            f, names = handles[shard]
+            if stored not in names:
                 raise ValueError(f"{path / shard}: has no tensor {stored} ({map_file.name} says it does)")
             try:
                 t = f.get_tensor(stored)
