@@ -64,6 +64,11 @@ HEAD_PREFIXES = ("lm_head.", "model.norm.", "model.output_attn_res_", "mtp.")  #
 EMBED_PREFIX = "model.embed_tokens."
 
 
+def _bar(iterable=None, **kwargs):
+    """Text tqdm on stdout over tensors (a saved notebook keeps the finished bar; one redraw a second there)."""
+    return tqdm(iterable, unit="tensor", file=sys.stdout, mininterval=0.1 if sys.stdout.isatty() else 1.0, **kwargs)
+
+
 def stored_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
     """The dtype the release stores k3lab parameter ``name`` in: float32 for :data:`FP32_SUFFIXES`, else ``dtype``."""
     return torch.float32 if name.endswith(FP32_SUFFIXES) else dtype
@@ -186,8 +191,7 @@ def save_hf_checkpoint(model: K3ForCausalLM, out_dir: str | os.PathLike, *, dtyp
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out_dir.name}-", dir=out_dir.parent))
     try:
         weight_map = {}
-        bar = tqdm(total=sum(len(u.names) for u in units), desc="write", unit="tensor", file=sys.stdout,
-                   disable=not progress)
+        bar = _bar(total=sum(len(u.names) for u in units), desc="write", disable=not progress)
         for k, shard in enumerate(shards, start=1):
             fname = SHARD_NAME.format(k, len(shards))
             tensors = {}
@@ -399,7 +403,7 @@ def load_hf_checkpoint(path: str | os.PathLike, *, layers=None, embeddings: bool
 
         values = {name: torch.empty(p.shape, dtype=stored_dtype(name, dtype), device=device)
                   for name, p in selected.items()}
-        bar = tqdm(jobs, desc="load", unit="tensor", file=sys.stdout, disable=not progress)
+        bar = _bar(jobs, desc="load", disable=not progress)
         for name, e, hf_name in bar:
             dest = values[name] if e is None else values[name][e]
             kind, stored = locate(hf_name if e is None else hf_name + ".weight", tuple(dest.shape))
