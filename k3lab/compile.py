@@ -11,6 +11,11 @@ stream, a Python object holding lists of tensors (:mod:`k3lab.residual`), and na
 an f-string of its ``layer_idx``, so compiling whole layers traced one graph per layer and hit dynamo's
 recompile limit. The sublayers take and return tensors (and a cache dataclass).
 
+Between the sublayers, the Attention-Residuals depth mix (:func:`k3lab.residual.attn_res`, a pure
+function over a list of ``S`` source tensors) is compiled too (``K3Model.attn_res_fn``): eager it is
+about ten fp32 passes over ``[S, B, T, D]`` per call, compiled one fused read of the sources — one
+graph per source count ``S`` (at most blocks + 1 of them).
+
 One graph per class and shape, not per layer: all compiled modules of one class run the same ``forward``
 code; their parameters and buffers are graph inputs (dynamo's ``inline_inbuilt_nn_modules``, on by
 default in torch 2.11 and 2.13), and none of the compiled forwards reads ``layer_idx`` or anything else
@@ -91,6 +96,12 @@ def compile_sublayers(model: nn.Module, backend: str | None = None, **compile_kw
         raise ValueError(f"compile='sublayer' needs a k3lab model with K3DecoderLayer modules; "
                          f"{type(model).__name__} has none (use compile='none')")
     backend = backend or default_backend()
+    from k3lab.model import K3Model
+    from k3lab.residual import attn_res
+
+    for module in model.modules():  # the AttnRes depth mixes between the sublayers: one graph per source count
+        if isinstance(module, K3Model) and module.use_attn_res and module.attn_res_fn is None:
+            module.attn_res_fn = torch.compile(attn_res, backend=backend, **compile_kwargs)
     for _, module in targets:
         if isinstance(module, LatentMoE):
             _balancer_runs_eager(module)
@@ -105,6 +116,8 @@ def uncompile(model: nn.Module) -> None:
     for module in model.modules():
         if getattr(module, "_compiled_call_impl", None) is not None:
             module._compiled_call_impl = None
+        if getattr(module, "attn_res_fn", None) is not None:
+            module.attn_res_fn = None
         balancer = getattr(module, "balancer", None)
         if balancer is not None and getattr(balancer.observe, "_k3lab_eager", False):
             del balancer.observe

@@ -137,6 +137,7 @@ class K3Model(nn.Module):
         self.attn_res_sublayers_per_block = 2 * cfg.attn_res_block_size
         self.attn_res_recorder: list | None = None
         self.recompute_residual_mix = False  # k3lab.memory "selective": AttnRes mixes recomputed in backward
+        self.attn_res_fn = None  # None: k3lab.residual.attn_res; k3lab.compile sets a compiled one
 
     def forward(self, input_ids: Tensor, cache: K3Cache | None = None) -> K3ModelOutput:
         if input_ids.dim() != 2:
@@ -145,7 +146,7 @@ class K3Model(nn.Module):
             raise ValueError(f"cache has {len(cache.layers)} layer entries, the model has {len(self.layers)} layers")
         stream = residual_stream(self.config.residual, self.embed_tokens(input_ids),
                                  self.attn_res_sublayers_per_block, self.attn_res_recorder,
-                                 self.recompute_residual_mix)
+                                 self.recompute_residual_mix, self.attn_res_fn)
         new_caches = [layer(stream, None if cache is None else cache.layers[i]) for i, layer in enumerate(self.layers)]
         res = (self.output_attn_res_proj, self.output_attn_res_norm) if self.use_attn_res else (None, None)
         residual = stream.output(*res)

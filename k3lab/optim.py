@@ -240,6 +240,7 @@ def build_optimizer(
     per_head: bool = True,
     ns_dtype: str = "bfloat16",
     foreach: bool | None = None,
+    fused: bool | None = None,
 ) -> torch.optim.Optimizer:
     """Build the optimizer for ``model``.
 
@@ -249,6 +250,8 @@ def build_optimizer(
     ``muon_head_splits`` (``per_head=False`` turns that off for ablations), AdamW on the rest.
     ``ns_dtype``: the Newton–Schulz precision (:data:`NS_DTYPES`). ``foreach``: passed to AdamW
     (None = torch's default; the distributed trainer sets False when DTensor and plain parameters mix).
+    ``fused``: AdamW's one-kernel-per-group CUDA implementation (None = on when every parameter is a plain
+    CUDA tensor and ``foreach`` is None; it rounds like foreach within fp32 ulps, not bit for bit).
     Every group carries ``initial_lr`` so a schedule can scale each group's lr (see :func:`set_lr`).
     """
     if ns_dtype not in NS_DTYPES:
@@ -264,6 +267,10 @@ def build_optimizer(
         opt_groups = [g for g in opt_groups if g["params"]]
         for g in opt_groups:
             g["initial_lr"] = lr
+        if fused is None:
+            fused = foreach is None and all(type(p) is torch.nn.Parameter and p.is_cuda for g in opt_groups for p in g["params"])
+        if fused:
+            return torch.optim.AdamW(opt_groups, lr=lr, betas=betas, eps=eps, fused=True)
         return torch.optim.AdamW(opt_groups, lr=lr, betas=betas, eps=eps, foreach=foreach)
     if name == "muon":
         splits = _head_splits(model) if per_head else {}

@@ -79,12 +79,13 @@ class AttnResStream:
     """
 
     def __init__(self, embeddings: Tensor, sublayers_per_block: int, recorder: list | None = None,
-                 recompute: bool = False):
+                 recompute: bool = False, mix_fn=None):
         if sublayers_per_block < 1:
             raise ValueError(f"sublayers_per_block={sublayers_per_block}: must be >= 1")
         self.sublayers_per_block = sublayers_per_block
         self.recorder = recorder
         self.recompute = recompute  # keep only the sources for backward; rebuild the fp32 stack there
+        self.mix_fn = attn_res if mix_fn is None else mix_fn  # attn_res or a compiled attn_res (k3lab.compile)
         self.blocks: list[Tensor] = []  # completed block representations (the embedding first)
         self.prefix_sum: Tensor | None = embeddings  # partial sum of the current block
         self.sublayer = 0  # index of the next sublayer
@@ -92,9 +93,9 @@ class AttnResStream:
     def _mix(self, proj: nn.Linear, norm: nn.RMSNorm, name: str) -> Tensor:
         sources = [*self.blocks, self.prefix_sum]
         if self.recompute and torch.is_grad_enabled():  # exact: the same ops again in backward
-            h, p = checkpoint(attn_res, sources, proj, norm, use_reentrant=False)
+            h, p = checkpoint(self.mix_fn, sources, proj, norm, use_reentrant=False)
         else:
-            h, p = attn_res(sources, proj, norm)
+            h, p = self.mix_fn(sources, proj, norm)
         if self.recorder is not None:
             self.recorder.append((name, p.detach().flatten(1).mean(dim=1).float().cpu()))
         return h
@@ -120,11 +121,11 @@ class AttnResStream:
 
 
 def residual_stream(kind: str, embeddings: Tensor, sublayers_per_block: int, recorder: list | None = None,
-                    recompute: bool = False):
+                    recompute: bool = False, mix_fn=None):
     """"attnres" -> AttnResStream, "prenorm" -> PreNormStream (cfg.residual); ``recompute``: AttnRes mixes
-    recomputed in backward (k3lab.memory)."""
+    recomputed in backward (k3lab.memory); ``mix_fn``: the depth-mix function (None: :func:`attn_res`)."""
     if kind == "attnres":
-        return AttnResStream(embeddings, sublayers_per_block, recorder, recompute)
+        return AttnResStream(embeddings, sublayers_per_block, recorder, recompute, mix_fn)
     if kind == "prenorm":
         return PreNormStream(embeddings)
     raise ValueError(f"residual={kind!r}: allowed values are ('attnres', 'prenorm')")

@@ -376,7 +376,8 @@ def main(argv=None):
     rows = []
     for spec in specs:
         print(f"== {spec.name}: {1 + args.warmup + args.steps} steps (1 first, {args.warmup} warm-up, {args.steps} timed), "
-              f"dtype {args.dtype}, {args.optimizer}, compile {args.compile}", flush=True)
+              f"dtype {args.dtype}, {args.optimizer}, compile {spec.option('compile', args.compile)}, "
+              f"recompute {spec.option('recompute', args.recompute)}", flush=True)
         if spec.model == "fla-kda-anchor" and (args.device == "cpu" or importlib.util.find_spec("fla") is None):
             row = dict(config=spec.name, model="fla", B=spec.B, T=spec.T, compile="none",
                        status="skipped: fla's kernels need CUDA" if args.device == "cpu" else

@@ -31,7 +31,7 @@ KINDS = [  # (kind, regex on the CUDA kernel name), first match wins
     ("SDPA / flash attention", r"flash|fmha|attention|cudnn"),
     ("inductor-fused Triton", r"^triton_"),
     ("reductions / norms (aten)", r"reduce|Reduce|norm|softmax|Softmax"),
-    ("copies / casts (aten)", r"copy|Copy|cast|to_copy|cat|Cat|index|gather|scatter|Scatter|Index"),
+    ("copies / casts (aten)", r"copy|Copy|CatArray|index|Index|gather|scatter|Scatter"),
     ("elementwise (aten)", r"elementwise|vectorized|unrolled"),
     ("other", r""),
 ]
@@ -100,8 +100,8 @@ def main():
     tokens = args.batch_size * args.seq_len
     flops = 6 * cfg.param_counts()["active"] * tokens
     gpu = {}
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
+    for ev in prof.events():  # kernels only: not the GPU-side ranges of annotations such as Optimizer.step
+        if ev.device_type == torch.autograd.DeviceType.CUDA and not getattr(ev, "is_user_annotation", False):
             gpu[ev.name] = gpu.get(ev.name, 0.0) + ev.device_time / 1e3
     busy = sum(gpu.values())
     peak = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else float("nan")
@@ -115,7 +115,8 @@ def main():
     print("GPU time by kind (ms in one step, share of GPU busy time):")
     for kind, t in sorted(kinds.items(), key=lambda kv: -kv[1]):
         print(f"  {t:8.2f}  {100 * t / max(busy, 1e-9):5.1f}%  {kind}")
-    launches = sum(1 for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA)
+    launches = sum(1 for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA
+                   and not getattr(ev, "is_user_annotation", False))
     print(f"  {launches} kernel launches")
     print("top CUDA kernels (ms in one step):")
     for name, t in sorted(gpu.items(), key=lambda kv: -kv[1])[:args.top]:

@@ -22,6 +22,7 @@ from k3lab.compile import COMPILE_MODES, compile_model, compile_sublayers, subla
 from k3lab.config import ModelConfig
 from k3lab.model import K3ForCausalLM
 from k3lab.moe.latent import LatentMoE
+from k3lab.mixers import chunk
 from k3lab.train import TrainConfig, fit
 
 # the padded expert path's int(counts.max()) breaks the graph (documented in k3lab.compile); dynamo warns
@@ -111,6 +112,9 @@ def test_compiled_model_keeps_its_names_and_uncompiles():
 def fit_both(cfg: ModelConfig, steps: int, monkeypatch, backend: str):
     """(eager model, eager losses, compiled model, compiled losses) after ``steps`` of fit from one init."""
     monkeypatch.setenv("K3LAB_COMPILE_BACKEND", backend)
+    # the compiled reference chunk takes the pairwise decayed scores (no host-side range check in a graph):
+    # the eager run takes them too, so both runs do the same float operations
+    monkeypatch.setattr(chunk, "ANCHORED_RANGE_FRACTION", 0.0)
     fresh_dynamo()
     torch.manual_seed(0)
     base = K3ForCausalLM(cfg)
@@ -176,17 +180,22 @@ INTERPRETED_OP = textwrap.dedent("""
     leaves = lambda: [x.clone().requires_grad_() for x in (q, k, v, g, beta, h0)]
     torch.library.opcheck(torch.ops.k3lab.kda_chunk_fwd.default, (*leaves()[:5], K ** -0.5, leaves()[5], True,
                           None, None, None), test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+    torch.library.opcheck(torch.ops.k3lab.kda_chunk_fwd_recompute.default, (*leaves()[:5], K ** -0.5, leaves()[5],
+                          True, None, None, None), test_utils=("test_schema", "test_faketensor",
+                                                               "test_autograd_registration"))
 
-    def loss(q, k, v, g, beta, h0):
-        o, state = kda_chunk(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    def loss(q, k, v, g, beta, h0, recompute=False):
+        o, state = kda_chunk(q, k, v, g, beta, initial_state=h0, output_final_state=True, recompute=recompute)
         return (o * o).sum() + state.sin().sum()
 
-    eager, compiled = leaves(), leaves()
+    eager, compiled, recomputed = leaves(), leaves(), leaves()
     loss(*eager).backward()
     torch.compile(loss, backend="aot_eager", fullgraph=True)(*compiled).backward()  # fullgraph: no break
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
-    for a, b in zip(eager, compiled):
+    torch.compile(loss, backend="aot_eager", fullgraph=True)(*recomputed, recompute=True).backward()
+    for a, b, c in zip(eager, compiled, recomputed):
         torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=0)
+        torch.testing.assert_close(c.grad, a.grad, rtol=0, atol=0)  # the recompute op: the same gradients
     print("ok")
 """)
 

@@ -51,6 +51,44 @@ def decayed_scores(a: Tensor, b: Tensor, G: Tensor) -> Tensor:
     return torch.einsum("...id,...jd,...ijd->...ij", a, b, decay)
 
 
+# decayed_scores_anchored factors e^{G_i − G_j} while the in-chunk range x = max|G_r − G_0| stays below
+# this fraction of ln(dtype max): every factor then lies in [e^−x, e^x] (fp32: x ≤ 59, max e^88.7)
+ANCHORED_RANGE_FRACTION = 2 / 3
+
+
+def decayed_scores_anchored(a: Tensor, b: Tensor, G: Tensor) -> Tensor | None:
+    """:func:`decayed_scores` as one matmul, anchored at the chunk's first row::
+
+        M = tril( (a ⊙ e^{G − G_0}) (b ⊙ e^{G_0 − G})ᵀ )        (e^{G_i − G_0} e^{G_0 − G_j} = e^{G_i − G_j})
+
+    Equal in exact arithmetic; in floating point every factor lies in ``[e^−x, e^x]`` with
+    ``x = max |G_r − G_0|``, so each product is as accurate as the pairwise one while ``x`` stays well
+    inside the exponent range. Returns None when ``x > ANCHORED_RANGE_FRACTION · ln(max)`` of G's
+    dtype (the caller then forms the pairwise ``[C, C, K]`` tensor). Same shapes as :func:`decayed_scores`.
+    The Triton kernels anchor per 16-token tile, which K3's bound ``g ≥ −5`` makes always safe
+    (docs/k3_reference.md §2.3); this check makes the reference safe for any decay.
+    """
+    if torch.compiler.is_compiling():  # the range check is a host sync: a compiled graph keeps the pairwise form
+        return None
+    rel = G - G[..., :1, :]  # [..., C, K]: G_r − G_0
+    if rel.abs().amax() > ANCHORED_RANGE_FRACTION * math.log(torch.finfo(G.dtype).max):
+        return None
+    C = a.shape[-2]
+    keep = torch.ones(C, C, dtype=torch.bool, device=a.device).tril()  # [C, C], j ≤ i
+    scores = (a * torch.exp(rel)) @ (b * torch.exp(-rel)).transpose(-1, -2)  # [..., C, C], finite everywhere
+    return scores.masked_fill(~keep, 0.0)
+
+
+def chunk_scores(a: Tensor, b: Tensor, G: Tensor) -> Tensor:
+    """The decayed scores :func:`delta_rule_chunk` uses: :func:`decayed_scores_anchored` (one matmul)
+    when it is safe for a per-channel decay, else :func:`decayed_scores` (pairwise)."""
+    if G.shape[-1] > 1:
+        scores = decayed_scores_anchored(a, b, G)
+        if scores is not None:
+            return scores
+    return decayed_scores(a, b, G)
+
+
 def to_chunks(x: Tensor, C: int) -> Tensor:
     """``[B, T, H, ...]`` → ``[B, H, N, C, ...]`` with zeros appended to reach ``N·C`` tokens."""
     B, T, H = x.shape[:3]
@@ -95,10 +133,10 @@ def delta_rule_chunk(
     gamma_last = gamma[..., -1:, :]  # Γ_C [B, H, N, 1, K|1]
     k_to_end = torch.exp(G[..., -1:, :] - G) * k  # K̃_r = exp(G_C − G_r) ⊙ k_r
     if beta is None:
-        A = decayed_scores(q, k, G)  # [B, H, N, C, C]
+        A = chunk_scores(q, k, G)  # [B, H, N, C, C]
         W, U = None, v
     else:
-        A, KK = decayed_scores(torch.stack([q, k]), k, G)  # one decay tensor for both: [B, H, N, C, C] each
+        A, KK = chunk_scores(torch.stack([q, k]), k, G)  # one decay tensor for both: [B, H, N, C, C] each
         b = to_chunks(beta.to(dtype), C)[..., None]  # [B, H, N, C, 1]
         eye = torch.eye(C, dtype=dtype, device=q.device)
         I_plus_L = eye + b * KK.tril(-1)  # unit lower-triangular, L strictly below the diagonal
