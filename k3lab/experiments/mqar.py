@@ -44,14 +44,16 @@ def recall_accuracy(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor
 
 def train_mqar(mixer: str, pairs_grid=(2, 4, 8, 16), *, vocab_size: int = 64, seq_len: int = 64, d_model: int = 32,
                n_layers: int = 1, num_heads: int = 2, steps: int = 250, batch_size: int = 32, lr: float = 1e-2,
-               test_examples: int = 256, device: str = "cpu", seed: int = 0) -> dict:
+               test_examples: int = 256, device: str = "cpu", seed: int = 0, chunk_size: int = 16) -> dict:
     """Train a :class:`MixerLM` on MQAR mixed over ``pairs_grid`` and measure recall per pair count.
 
     Returns ``{"accuracy": {pairs: acc}, "params": n, "seconds": s, "final_loss": l}``; the test sets
-    are fresh MQAR draws (other seeds) of ``test_examples`` sequences per pair count.
+    are fresh MQAR draws (other seeds) of ``test_examples`` sequences per pair count. ``chunk_size``: of
+    the chunkwise mixers (the same function for any size); 8 keeps KDA's in-chunk decay range within
+    8·5 = 40, where the chunk scores are one matmul (``k3lab.mixers.chunk.decayed_scores_anchored``).
     """
     torch.manual_seed(seed)
-    model = MixerLM(vocab_size, d_model, n_layers, mixer, num_heads)
+    model = MixerLM(vocab_size, d_model, n_layers, mixer, num_heads, chunk_size=chunk_size)
     batches = mqar_mixture(vocab_size, seq_len, pairs_grid, batch_size, steps, seed=seed)
     cfg = TrainConfig(steps=steps, lr=lr, warmup_frac=0.05, device=device, seed=seed, progress=False,
                       log_every=steps, name=mixer)
