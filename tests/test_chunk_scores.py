@@ -36,15 +36,37 @@ def test_anchored_equals_pairwise_values_and_gradients(dtype, tol, C, g_min):
 
 
 def test_anchored_refuses_ranges_past_the_limit_and_chunk_scores_falls_back():
-    """fp32: a 16-token chunk at g = −5 spans 75 > (2/3)·88.7; the pairwise form is used, exactly."""
+    """fp32: at g = −9 every anchor tile (16, or 8 tokens: 7 · 9 = 63) spans more than (2/3)·88.7;
+    the pairwise form is used, exactly."""
     a, b, _ = inputs(16, 8, -5.0, torch.float32)
-    G = torch.full_like(a, -5.0).cumsum(-2)
+    G = torch.full_like(a, -9.0).cumsum(-2)
     limit = chunk.ANCHORED_RANGE_FRACTION * math.log(torch.finfo(torch.float32).max)
-    assert (G - G[..., :1, :]).abs().max() > limit
+    assert 7 * 9.0 > limit
     assert chunk.decayed_scores_anchored(a, b, G) is None
     assert torch.equal(chunk.chunk_scores(a, b, G), chunk.decayed_scores(a, b, G))
     a64, b64, G64 = (x.double() for x in (a, b, G))  # the same range is fine in fp64
     assert rel_err(chunk.decayed_scores_anchored(a64, b64, G64), chunk.decayed_scores(a64, b64, G64)) < FP64_TOL
+
+
+@pytest.mark.parametrize("C, g_min", [(64, -5.0), (64, -2.0), (32, -5.0)])
+def test_tiled_anchors_at_k3_bound_fp32(C, g_min):
+    """A 64-token chunk at K3's bound spans up to 315: too deep for one anchor, fine for 8-token tiles."""
+    a, b, G = (x.requires_grad_() for x in inputs(C, 8, g_min, torch.float32))
+    anchored = chunk.decayed_scores_anchored(a, b, G)
+    assert anchored is not None
+    assert rel_err(anchored, chunk.decayed_scores(a, b, G)) < FP32_TOL
+    w = torch.randn_like(anchored)
+    for x, y in zip(torch.autograd.grad((anchored * w).sum(), (a, b, G)),
+                    torch.autograd.grad((chunk.decayed_scores(a, b, G) * w).sum(), (a, b, G))):
+        assert rel_err(x, y) < 10 * FP32_TOL
+
+
+def test_growing_decay_and_odd_chunk_lengths():
+    """g > 0 (G grows) and a chunk of 37 rows (no tile divides it): still equal to the pairwise form."""
+    a, b, G = inputs(37, 8, -0.3, torch.float64)
+    assert rel_err(chunk.chunk_scores(a, b, G), chunk.decayed_scores(a, b, G)) < FP64_TOL
+    a, b, G = inputs(16, 8, 0.4, torch.float64)  # g in (0, 0.4): a growing G
+    assert rel_err(chunk.chunk_scores(a, b, G), chunk.decayed_scores(a, b, G)) < FP64_TOL
 
 
 def test_scalar_decay_keeps_its_matmul_form():

@@ -51,32 +51,49 @@ def decayed_scores(a: Tensor, b: Tensor, G: Tensor) -> Tensor:
     return torch.einsum("...id,...jd,...ijd->...ij", a, b, decay)
 
 
-# decayed_scores_anchored factors e^{G_i − G_j} while the in-chunk range x = max|G_r − G_0| stays below
-# this fraction of ln(dtype max): every factor then lies in [e^−x, e^x] (fp32: x ≤ 59, max e^88.7)
+# decayed_scores_anchored factors e^{G_i − G_j} while the decay range inside an anchor tile, x = max|G_r − G_a|,
+# stays below this fraction of ln(dtype max): every factor then lies in [e^−x, e^x] (fp32: x ≤ 59, max e^88.7)
 ANCHORED_RANGE_FRACTION = 2 / 3
+ANCHOR_TILES = (16, 8)  # tile sizes tried after the whole chunk (K3's g ≥ −5: 8 tokens span at most 35 < 59)
 
 
 def decayed_scores_anchored(a: Tensor, b: Tensor, G: Tensor) -> Tensor | None:
-    """:func:`decayed_scores` as one matmul, anchored at the chunk's first row::
+    """:func:`decayed_scores` as matmuls, anchored at the first row ``a_r`` of each key tile ``r``::
 
-        M = tril( (a ⊙ e^{G − G_0}) (b ⊙ e^{G_0 − G})ᵀ )        (e^{G_i − G_0} e^{G_0 − G_j} = e^{G_i − G_j})
+        M[i, j ∈ tile r] = ( a_i ⊙ e^{G_i − G_{a_r}} ) · ( b_j ⊙ e^{G_{a_r} − G_j} )      (j ≤ i, 0 above)
 
-    Equal in exact arithmetic; in floating point every factor lies in ``[e^−x, e^x]`` with
-    ``x = max |G_r − G_0|``, so each product is as accurate as the pairwise one while ``x`` stays well
-    inside the exponent range. Returns None when ``x > ANCHORED_RANGE_FRACTION · ln(max)`` of G's
-    dtype (the caller then forms the pairwise ``[C, C, K]`` tensor). Same shapes as :func:`decayed_scores`.
-    The Triton kernels anchor per 16-token tile, which K3's bound ``g ≥ −5`` makes always safe
-    (docs/k3_reference.md §2.3); this check makes the reference safe for any decay.
+    Equal in exact arithmetic (``e^{G_i − G_a} e^{G_a − G_j} = e^{G_i − G_j}``). The key factors lie in
+    ``[1, e^x]`` with ``x`` the decay range inside a tile, the query factors (rows at or after the tile, where
+    ``G_i ≤ G_a``) in ``(0, 1]``; so each product is as accurate as the pairwise one while ``x`` stays well
+    inside the exponent range, and a query factor that underflows belongs to a product below ``e^{−ln(max)/3}``.
+    Tiles tried: the whole chunk (one matmul), then :data:`ANCHOR_TILES` (``C/c`` matmuls of ``C×K·K×c``,
+    a ``[C/c, C, K]`` tensor instead of the pairwise ``[C, C, K]``); returns None when no tile size keeps
+    ``x ≤ ANCHORED_RANGE_FRACTION · ln(max)`` of G's dtype (the caller then forms the pairwise tensor).
+    Same shapes as :func:`decayed_scores`. The Triton kernels anchor per 16-token tile, which K3's bound
+    ``g ≥ −5`` keeps inside bf16 (docs/k3_reference.md §2.3); the range check makes the reference safe for any decay.
     """
     if torch.compiler.is_compiling():  # the range check is a host sync: a compiled graph keeps the pairwise form
         return None
-    rel = G - G[..., :1, :]  # [..., C, K]: G_r − G_0
-    if rel.abs().amax() > ANCHORED_RANGE_FRACTION * math.log(torch.finfo(G.dtype).max):
-        return None
     C = a.shape[-2]
-    keep = torch.ones(C, C, dtype=torch.bool, device=a.device).tril()  # [C, C], j ≤ i
-    scores = (a * torch.exp(rel)) @ (b * torch.exp(-rel)).transpose(-1, -2)  # [..., C, C], finite everywhere
-    return scores.masked_fill(~keep, 0.0)
+    limit = ANCHORED_RANGE_FRACTION * math.log(torch.finfo(G.dtype).max)
+    for c in (C, *ANCHOR_TILES):
+        if c > C or C % c:
+            continue
+        Gt = G.unflatten(-2, (C // c, c))  # [..., nt, c, K]
+        anchor = Gt[..., :1, :]  # [..., nt, 1, K]: G at each key tile's first row
+        if (Gt - anchor).abs().amax() > limit:
+            continue
+        rows = torch.arange(C, device=a.device)
+        after = rows[None, :, None] >= (torch.arange(C // c, device=a.device) * c)[:, None, None]  # [nt, C, 1]
+        q_exp = (G[..., None, :, :] - anchor).masked_fill(~after, 0.0)  # [..., nt, C, K]: ≤ 0 where it is used
+        if q_exp.amax() > limit:  # a growing G (g > 0) could overflow the query factor
+            continue
+        key = (b.unflatten(-2, (C // c, c)) * torch.exp(anchor - Gt)).transpose(-1, -2)  # [..., nt, K, c]
+        scores = (a[..., None, :, :] * torch.exp(q_exp)) @ key  # [..., nt, C, c]
+        scores = scores.movedim(-3, -2).flatten(-2)  # [..., C, C]: column block r = key tile r
+        keep = torch.ones(C, C, dtype=torch.bool, device=a.device).tril()  # [C, C], j ≤ i
+        return scores.masked_fill(~keep, 0.0)
+    return None
 
 
 def chunk_scores(a: Tensor, b: Tensor, G: Tensor) -> Tensor:
