@@ -6,8 +6,7 @@ CUDA), "fla" (flash-linear-attention, the peer; CUDA), "auto" (triton on CUDA, t
 
 import torch
 
-DEVICES = ("auto", "cpu", "cuda")
-BACKENDS = ("auto", "torch", "triton", "fla")
+from k3lab.config import BACKENDS, DEVICES  # noqa: F401 (defined once, in k3lab.config)
 
 
 def resolve_device(device: str | torch.device = "auto") -> torch.device:

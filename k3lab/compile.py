@@ -34,7 +34,7 @@ Graph breaks (the pieces on both sides are still compiled):
 * The padded expert path (CPU; CUDA + bf16 takes ``grouped_mm``) reads ``int(counts.max())``, a
   host value: one more break, and one recompile before that piece goes dynamic.
 
-The Triton KDA op (``k3lab.kernels.kda_chunk``) is a ``torch.library`` custom op with a fake (shape)
+The Triton KDA op (``k3lab.kernels.triton_kda_chunk``) is a ``torch.library`` custom op with a fake (shape)
 implementation and a registered backward, so the KDA forward is one graph with the op inside it.
 
 Backend: ``inductor`` unless the environment variable ``K3LAB_COMPILE_BACKEND`` names another

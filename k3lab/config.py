@@ -27,12 +27,15 @@ from pathlib import Path
 
 from k3lab.mxfp4 import check_quantization_config
 
+# every allowed-value list and shared constant of k3lab is defined here, once, and imported elsewhere
 KDA_GATES = ("k3", "kimi_linear")
+KDA_GATE_LOWER_BOUND = -5.0  # K3's gate g = −5·σ(·) ∈ (−5, 0) (docs/k3_reference.md §2.1); kernels assume ≥ this
 RESIDUALS = ("attnres", "prenorm")
 MLP_KINDS = ("latent_moe", "moe", "dense")
 BALANCERS = ("quantile_hist", "quantile_exact", "loss_free", "aux_loss", "none")
 HIDDEN_ACTS = ("situ", "swiglu")
-BACKENDS = ("auto", "torch", "triton", "fla")
+BACKENDS = ("auto", "torch", "triton", "fla")  # k3lab.backend: where and how an op runs
+DEVICES = ("auto", "cpu", "cuda")  # plus "cuda:N" where a device index is accepted
 PRESETS = ("tiny", "small", "k3")
 
 # --- the released config.json (docs/hf_checkpoint.md) --------------------------------------------
@@ -73,7 +76,7 @@ HF_EXPERIMENT_KEY = "k3lab"
 
 
 def _default_linear_attn_config() -> dict:
-    return dict(num_heads=2, head_dim=32, short_conv_kernel_size=4, gate_lower_bound=-5.0, use_full_rank_gate=True)
+    return dict(num_heads=2, head_dim=32, short_conv_kernel_size=4, gate_lower_bound=KDA_GATE_LOWER_BOUND, use_full_rank_gate=True)
 
 
 @dataclass
@@ -175,7 +178,7 @@ class ModelConfig:
         need(set(lac) <= allowed_lac, f"linear_attn_config keys {sorted(set(lac) - allowed_lac)}: allowed keys are {sorted(allowed_lac)}")
         for key in ("num_heads", "head_dim", "short_conv_kernel_size"):
             need(isinstance(lac[key], int) and lac[key] >= 1, f"linear_attn_config.{key}={lac[key]!r}: must be an integer >= 1")
-        need(lac["gate_lower_bound"] < 0, f"linear_attn_config.gate_lower_bound={lac['gate_lower_bound']}: must be < 0 (K3: -5.0)")
+        need(lac["gate_lower_bound"] < 0, f"linear_attn_config.gate_lower_bound={lac['gate_lower_bound']}: must be < 0 (K3: {KDA_GATE_LOWER_BOUND})")
         need(lac["use_full_rank_gate"] is True, "linear_attn_config.use_full_rank_gate: only the K3 full-rank gate (True) is built")
         for name, allowed in (("kda_gate", KDA_GATES), ("residual", RESIDUALS), ("mlp_kind", MLP_KINDS),
                               ("balancer", BALANCERS), ("hidden_act", HIDDEN_ACTS), ("backend", BACKENDS)):
@@ -236,7 +239,7 @@ class ModelConfig:
             vocab_size=163840, hidden_size=7168, num_hidden_layers=93,
             full_attn_layers=list(range(4, 93, 4)) + [93],
             linear_attn_config=dict(num_heads=96, head_dim=128, short_conv_kernel_size=4,
-                                    gate_lower_bound=-5.0, use_full_rank_gate=True),
+                                    gate_lower_bound=KDA_GATE_LOWER_BOUND, use_full_rank_gate=True),
             num_attention_heads=96, num_key_value_heads=96, q_lora_rank=1536, kv_lora_rank=512,
             qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
             first_k_dense_replace=1, intermediate_size=33792,

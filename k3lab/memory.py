@@ -9,7 +9,7 @@ recomputed code is deterministic:
 * ``"none"``: autograd keeps what each op saves (fastest; most memory).
 * ``"selective"``: the two large savers that need no projection re-run —
   the Triton KDA op keeps only its inputs ``q, k, v, g, β, S₀`` and re-runs its forward kernels in
-  backward (``k3lab.kernels.kda_chunk(recompute=True)``: ~2.8 KB less a token and head at K = V = 128 in
+  backward (``k3lab.kernels.triton_kda_chunk(recompute=True)``: ~2.8 KB less a token and head at K = V = 128 in
   bf16, one more kernel forward), and each Attention-Residuals depth mix
   (:func:`k3lab.residual.attn_res`) keeps only its sources — which the residual stream holds anyway —
   and recomputes the fp32 stack ``[S, B, T, D]``, its RMS-normalised keys and the softmax in backward

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import triton
 
 from bench_kda import SHAPES, override_launch
-from k3lab.kernels import kda, kda_chunk
+from k3lab.kernels import kda, triton_kda_chunk
 from k3lab.mixers.chunk import kda_chunk as reference_chunk
 
 
@@ -38,7 +38,7 @@ def kda_inputs(B, T, H, D, seed):
 def errors() -> dict:
     """Relative errors of o, dq, dk, dv, dg, dβ against the float64 reference."""
     xs, do = kda_inputs(2, 1000, 4, 128, seed=0)
-    o = kda_chunk(*xs)[0]
+    o = triton_kda_chunk(*xs)[0]
     o.backward(do)
     refs = [x.detach().double().requires_grad_() for x in xs]
     o_ref = reference_chunk(*refs)[0]
@@ -56,10 +56,10 @@ def timings() -> list:
         def fwd_bwd():
             for x in xs:
                 x.grad = None
-            kda_chunk(*xs)[0].backward(do)
+            triton_kda_chunk(*xs)[0].backward(do)
 
         with torch.no_grad():
-            fwd = triton.testing.do_bench(lambda: kda_chunk(*xs), warmup=25, rep=150, return_mode="median")
+            fwd = triton.testing.do_bench(lambda: triton_kda_chunk(*xs), warmup=25, rep=150, return_mode="median")
         rows.append((T, fwd, triton.testing.do_bench(fwd_bwd, warmup=25, rep=250, return_mode="median")))
         del xs, do
         torch.cuda.empty_cache()

@@ -1,4 +1,4 @@
-"""Benchmark k3lab's Triton KDA (k3lab.kernels.kda_chunk) against fla's chunk_kda, the torch reference
+"""Benchmark k3lab's Triton KDA (k3lab.kernels.triton_kda_chunk) against fla's chunk_kda, the torch reference
 and SDPA (FlashAttention) on one GPU; all ratios come from one run.
 
     python kernels/bench_kda.py                 # the table recorded in kernels/RESULTS.md
@@ -75,7 +75,7 @@ def first_call_seconds(which: str) -> tuple[float, float]:
     env = dict(os.environ)
     if which == "ours":
         env["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="triton-cold-")
-        code = FIRST_CALL.format(imp="from k3lab.kernels import kda_chunk", call="kda_chunk(q, k, v, g, beta)",
+        code = FIRST_CALL.format(imp="from k3lab.kernels import triton_kda_chunk", call="triton_kda_chunk(q, k, v, g, beta)",
                                  here=HERE)
     else:
         code = FIRST_CALL.format(imp="from fla.ops.kda import chunk_kda",
@@ -110,7 +110,7 @@ def main():
     if args.launch:
         override_launch(kda.LAUNCH, args.launch)
         os.environ["K3LAB_BENCH_LAUNCH"] = args.launch  # read by the first-call process
-    from k3lab.kernels import kda_chunk
+    from k3lab.kernels import triton_kda_chunk
     from k3lab.mixers.chunk import kda_chunk as torch_kda_chunk
 
     dev = "cuda"
@@ -131,7 +131,7 @@ def main():
         return [x.requires_grad_(grad) for x in (q, k, v, g, beta)]
 
     def ours(q, k, v, g, beta):
-        return kda_chunk(q, k, v, g, beta)[0]
+        return triton_kda_chunk(q, k, v, g, beta)[0]
 
     def theirs(q, k, v, g, beta):
         return chunk_kda(q, k, v, g, beta, safe_gate=True, lower_bound=-5.0)[0]

@@ -170,7 +170,7 @@ INTERPRETED_OP = textwrap.dedent("""
     os.environ["TRITON_INTERPRET"] = "1"
     import torch, torch.nn.functional as F
     from torch._dynamo.utils import counters
-    from k3lab.kernels import kda_chunk
+    from k3lab.kernels import triton_kda_chunk
 
     torch.manual_seed(0)
     B, T, H, K = 1, 40, 1, 16
@@ -185,7 +185,7 @@ INTERPRETED_OP = textwrap.dedent("""
                                                                "test_autograd_registration"))
 
     def loss(q, k, v, g, beta, h0, recompute=False):
-        o, state = kda_chunk(q, k, v, g, beta, initial_state=h0, output_final_state=True, recompute=recompute)
+        o, state = triton_kda_chunk(q, k, v, g, beta, initial_state=h0, output_final_state=True, recompute=recompute)
         return (o * o).sum() + state.sin().sum()
 
     eager, compiled, recomputed = leaves(), leaves(), leaves()
@@ -202,7 +202,7 @@ INTERPRETED_OP = textwrap.dedent("""
 
 def test_triton_kda_op_compiles_without_graph_break():
     """Under TRITON_INTERPRET=1: opcheck of the custom op (schema, fake tensors, autograd registration),
-    and a fullgraph compile of kda_chunk forward + backward giving the eager gradients exactly."""
+    and a fullgraph compile of triton_kda_chunk forward + backward giving the eager gradients exactly."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     out = subprocess.run([sys.executable, "-c", INTERPRETED_OP], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]

@@ -19,7 +19,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from k3lab.kernels import kda_chunk, kda_decode_step
+from k3lab.config import KDA_GATE_LOWER_BOUND
+from k3lab.kernels import triton_kda_chunk, kda_decode_step
 from k3lab.kernels import kda as kernels_kda
 from k3lab.mixers.chunk import kda_chunk as reference_chunk
 from k3lab.mixers.lineage import kda_recurrent
@@ -29,7 +30,7 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 KERNELS_RUN_HERE = INTERPRETED or torch.cuda.is_available()
 DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRETED else "cpu"
 TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2}  # relative error, K3 brief
-GATE_LOWER_BOUND = -5.0
+GATE_LOWER_BOUND = KDA_GATE_LOWER_BOUND
 
 needs_kernels = pytest.mark.skipif(not KERNELS_RUN_HERE, reason="runs in test_interpreter_suite's subprocess")
 
@@ -58,7 +59,7 @@ def check_against_reference(B, T, H, K, V, dtype, seed, with_state=True, lengths
     q, k, v, g, beta, h0 = kda_inputs(B, T, H, K, V, dtype, seed, with_state, lengths and len(lengths))
     leaves = [x.clone().requires_grad_() for x in (q, k, v, g, beta)]
     h0_leaf = None if h0 is None else h0.clone().requires_grad_()
-    o, ht = kda_chunk(*leaves, initial_state=h0_leaf, output_final_state=True, cu_seqlens=cu_seqlens)
+    o, ht = triton_kda_chunk(*leaves, initial_state=h0_leaf, output_final_state=True, cu_seqlens=cu_seqlens)
     gen = torch.Generator().manual_seed(seed + 1)
     do = torch.randn(o.shape, generator=gen).to(o.dtype).to(DEVICE)
     dht = torch.randn(ht.shape, generator=gen).to(DEVICE)
@@ -138,7 +139,7 @@ def test_chunk_recompute_equals_saving_variant(lengths, B, T, H, K, V):
     runs = []
     for recompute in (False, True):
         leaves = [x.clone().requires_grad_() for x in inputs]
-        o, ht = kda_chunk(*leaves[:5], initial_state=leaves[5], output_final_state=True, cu_seqlens=cu_seqlens,
+        o, ht = triton_kda_chunk(*leaves[:5], initial_state=leaves[5], output_final_state=True, cu_seqlens=cu_seqlens,
                           recompute=recompute)
         gen = torch.Generator().manual_seed(9)
         do = torch.randn(o.shape, generator=gen).to(o.dtype).to(DEVICE)
@@ -164,10 +165,10 @@ def test_reference_packed_is_per_sequence():
 
 @needs_kernels
 def test_decode_step_continues_the_chunked_prefill():
-    """Prefill T tokens with kda_chunk, decode token T+1 with kda_decode_step: same as one pass."""
+    """Prefill T tokens with triton_kda_chunk, decode token T+1 with kda_decode_step: same as one pass."""
     q, k, v, g, beta, h0 = kda_inputs(2, 21, 2, 16, 32, torch.float32, seed=3)
     o_all, s_all = reference_chunk(q, k, v, g, beta, initial_state=h0, output_final_state=True)
-    _, s_prefix = kda_chunk(q[:, :-1], k[:, :-1], v[:, :-1], g[:, :-1], beta[:, :-1], initial_state=h0,
+    _, s_prefix = triton_kda_chunk(q[:, :-1], k[:, :-1], v[:, :-1], g[:, :-1], beta[:, :-1], initial_state=h0,
                             output_final_state=True)
     o_step, s_step = kda_decode_step(q[:, -1:], k[:, -1:], v[:, -1:], g[:, -1:], beta[:, -1:], s_prefix)
     assert o_step.shape == (2, 1, 2, 32) and s_step.dtype == torch.float32
@@ -198,13 +199,13 @@ def test_bad_inputs_raise():
     q = torch.zeros(1, 8, 2, 16)
     v, beta = torch.zeros(1, 8, 2, 16), torch.zeros(1, 8, 2)
     with pytest.raises(ValueError, match="beta"):
-        kda_chunk(q, q, v, q, beta[..., None])
+        triton_kda_chunk(q, q, v, q, beta[..., None])
     with pytest.raises(ValueError, match=r"k \(1, 4, 2, 16\)"):
-        kda_chunk(q, q[:, :4], v, q, beta)
+        triton_kda_chunk(q, q[:, :4], v, q, beta)
     with pytest.raises(ValueError, match="v is on meta but q is on cpu"):
-        kda_chunk(q, q, v.to("meta"), q, beta)
+        triton_kda_chunk(q, q, v.to("meta"), q, beta)
     with pytest.raises(ValueError, match="initial_state"):
-        kda_chunk(q, q, v, q, beta, initial_state=torch.zeros(1, 2, 16, 8))
+        triton_kda_chunk(q, q, v, q, beta, initial_state=torch.zeros(1, 2, 16, 8))
     with pytest.raises(ValueError, match="T == 1"):
         kda_decode_step(q, q, v, q, beta, None)
 
@@ -216,9 +217,9 @@ def test_sizes_past_the_kernel_limits_raise():
         return x, x, x, x, torch.empty(B, T, H, device="meta")
 
     with pytest.raises(ValueError, match=r"must be < 2\^31"):
-        kda_chunk(*inputs(1, 2**20, 16, 128))  # T·H·K = 2^31
+        triton_kda_chunk(*inputs(1, 2**20, 16, 128))  # T·H·K = 2^31
     with pytest.raises(ValueError, match="CUDA grid limit"):
-        kda_chunk(*inputs(4097, 1, 16, 16))  # B·H = 65552
+        triton_kda_chunk(*inputs(4097, 1, 16, 16))  # B·H = 65552
 
 
 @needs_kernels
@@ -230,7 +231,7 @@ def test_chunk_training_path_wide_state_blocks(monkeypatch):
         monkeypatch.setitem(kernels_kda.LAUNCH, name, dict(kernels_kda.LAUNCH[name], min_programs=1))
     q, k, v, g, beta, h0 = kda_inputs(2, 128, 1, 64, 48, torch.float32, seed=13)
     leaves = [x.clone().requires_grad_() for x in (q, k, v, g, beta, h0)]
-    o, ht = kda_chunk(*leaves[:5], initial_state=leaves[5])
+    o, ht = triton_kda_chunk(*leaves[:5], initial_state=leaves[5])
     assert ht is None
     do = torch.randn(o.shape, generator=torch.Generator().manual_seed(14)).to(DEVICE)
     o.backward(do)
@@ -266,7 +267,7 @@ def test_decode_step_several_value_blocks():
     assert_close("decode state", s_ref, s, TOL[torch.float32])
 
 
-@pytest.mark.parametrize("chunk", [kda_chunk, reference_chunk], ids=["kernels", "reference"])
+@pytest.mark.parametrize("chunk", [triton_kda_chunk, reference_chunk], ids=["kernels", "reference"])
 @pytest.mark.parametrize(
     "cu_seqlens, B, h0_shape, match",
     [
@@ -301,7 +302,7 @@ def test_kcp_augmented_call(K, V):
     v_aug = torch.cat([v, torch.zeros(*v.shape[:-1], K, device=DEVICE)], -1)                 # [B, T, H, V+K]
     h0 = torch.cat([torch.zeros(1, 2, K, V), torch.eye(K).expand(1, 2, K, K)], -1).to(DEVICE)  # [B, H, K, V+K]
     leaves = [x.clone().requires_grad_() for x in (q, k, v_aug, g, beta)]
-    o, ht = kda_chunk(*leaves, initial_state=h0, output_final_state=True)
+    o, ht = triton_kda_chunk(*leaves, initial_state=h0, output_final_state=True)
     gen = torch.Generator().manual_seed(3)
     do, dht = torch.randn(o.shape, generator=gen).to(DEVICE), torch.randn(ht.shape, generator=gen).to(DEVICE)
     torch.autograd.backward([o, ht], [do, dht])

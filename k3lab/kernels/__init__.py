@@ -3,6 +3,6 @@
 Set ``TRITON_INTERPRET=1`` before importing this package to run the kernels on CPU (tests, notebooks).
 """
 
-from k3lab.kernels.kda import kda_chunk, kda_decode_step
+from k3lab.kernels.kda import triton_kda_chunk, kda_decode_step
 
-__all__ = ["kda_chunk", "kda_decode_step"]
+__all__ = ["triton_kda_chunk", "kda_decode_step"]

@@ -14,7 +14,7 @@ index (:func:`pack_chunks`, fla's ``prepare_chunk_indices``) and the kernels tak
 
 Autograd: forward and backward are two ``torch.library`` custom ops (``k3lab::kda_chunk_fwd``,
 ``k3lab::kda_chunk_bwd``, with fake implementations), so ``torch.compile`` traces a KDA layer through
-:func:`kda_chunk` without a graph break.
+:func:`triton_kda_chunk` without a graph break.
 
 Launch parameters are fixed — chosen from A/B timings on an H200 (``kernels/RESULTS.md``;
 ``kernels/bench_kda.py --tune`` re-times the candidates) and written into :data:`LAUNCH` — so the first
@@ -428,7 +428,7 @@ def _kda_recompute_backward(ctx, do, dht):
 _kda_chunk_fwd_recompute.register_autograd(_kda_recompute_backward, setup_context=_kda_recompute_setup_context)
 
 
-def kda_chunk(
+def triton_kda_chunk(
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -487,13 +487,13 @@ def kda_decode_step(
 
     Args:
         q, k, g: ``[B, 1, H, K]``; v: ``[B, 1, H, V]``; beta: ``[B, 1, H]``; state: ``[B, H, K, V]``
-        or None (zeros). Same conventions as :func:`kda_chunk`.
+        or None (zeros). Same conventions as :func:`triton_kda_chunk`.
     Returns:
         ``(o [B, 1, H, V] in v.dtype, new_state [B, H, K, V] fp32)``; ``state`` is not modified.
     """
     if isinstance(q, Tensor) and q.dim() == 4 and q.shape[1] != 1:
         raise ValueError(f"kda_decode_step takes one token, q [B, 1, H, K] (T == 1); got {tuple(q.shape)}; "
-                         "use kda_chunk for prefill")
+                         "use triton_kda_chunk for prefill")
     _check_inputs(q, k, v, g, beta, state)
     B, T, H, K = q.shape
     V = v.shape[-1]

@@ -24,6 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from k3lab.backend import resolve_backend
+from k3lab.config import KDA_GATE_LOWER_BOUND
 from k3lab.mixers.chunk import kda_chunk
 from k3lab.mixers.lineage import kda_recurrent
 
@@ -48,7 +49,8 @@ class KDACache:
     conv_v: Tensor
 
 
-def kda_gate(z: Tensor, A_log: Tensor, dt_bias: Tensor, kind: str = "k3", lower_bound: float = -5.0) -> Tensor:
+def kda_gate(z: Tensor, A_log: Tensor, dt_bias: Tensor, kind: str = "k3",
+             lower_bound: float = KDA_GATE_LOWER_BOUND) -> Tensor:
     r"""Per-channel log-decay ``g`` from the forget logits (docs/k3_reference.md §2.1; §13 for the two kinds).
 
     ``kind="k3"``:          ``g = lower_bound · σ(e^{A_log} (z + dt_bias))``  ∈ (lower_bound, 0)
@@ -70,7 +72,7 @@ def kda_gate(z: Tensor, A_log: Tensor, dt_bias: Tensor, kind: str = "k3", lower_
     a = A_log.to(dtype).exp()[:, None]  # e^{A_h} [H, 1]
     if kind == "k3":
         if not lower_bound < 0:
-            raise ValueError(f"lower_bound={lower_bound}: must be < 0 (K3: -5.0)")
+            raise ValueError(f"lower_bound={lower_bound}: must be < 0 (K3: {KDA_GATE_LOWER_BOUND})")
         return lower_bound * torch.sigmoid(a * z)  # g ∈ (-5, 0): 16 steps ≥ e^-80, inside bf16
     return -a * F.softplus(z)
 
@@ -211,7 +213,7 @@ class KDA(nn.Module):
     @property
     def bounded_gate(self) -> bool:
         """True when every ``g ≥ -5``: the K3 gate with a bound fla's ``safe_gate`` and our kernels accept."""
-        return self.gate_kind == "k3" and self.lower_bound >= -5.0
+        return self.gate_kind == "k3" and self.lower_bound >= KDA_GATE_LOWER_BOUND
 
     def _mix(self, q, k, v, g, beta, initial_state):
         """Run the delta-rule recurrence on the chosen backend; returns ``(o [B, T, H, V], state [B, H, K, V])``."""
@@ -243,10 +245,10 @@ class KDA(nn.Module):
             raise ValueError(f"backend='triton' needs K3's bounded gate (kda_gate='k3', gate_lower_bound >= -5), got "
                              f"kda_gate={self.gate_kind!r}, gate_lower_bound={self.lower_bound}; use backend='fla' or 'torch'")
         try:
-            from k3lab.kernels import kda_chunk as triton_kda_chunk
+            from k3lab.kernels import triton_kda_chunk
             from k3lab.kernels import kda_decode_step
         except ImportError as err:
-            raise RuntimeError("backend='triton': k3lab.kernels (kda_chunk, kda_decode_step) cannot be imported "
+            raise RuntimeError("backend='triton': k3lab.kernels (triton_kda_chunk, kda_decode_step) cannot be imported "
                                f"({err}); use backend='torch' or 'fla'") from err
         if decode:
             return kda_decode_step(q, k, v, g, beta, initial_state, scale=self.scale)

@@ -15,6 +15,7 @@ import math
 
 import torch
 
+from k3lab.config import KDA_GATE_LOWER_BOUND
 from k3lab.mixers.chunk import decayed_scores, to_chunks
 from k3lab.mixers.kda import inverse_softplus_dt_bias, kda_gate, l2norm
 from k3lab.testing import rel_err
@@ -52,7 +53,7 @@ def tile_log_decay(g: Tensor, tile_size: int) -> Tensor:
 
 
 def sample_log_decay(kind: str, shape: tuple, logit_scale: float, generator: torch.Generator | None = None,
-                     lower_bound: float = -5.0) -> Tensor:
+                     lower_bound: float = KDA_GATE_LOWER_BOUND) -> Tensor:
     """Log-decays ``g [B, T, H, K]`` of one gate kind from raw forget logits ``z ~ logit_scale · N(0, 1)``.
 
     A_log and dt_bias as the KDA layer initialises them (K3: ``A = 0``; Kimi Linear: ``A ~ log U(1, 16)``),
@@ -146,7 +147,7 @@ def time_fla_chunk_kda(B: int, T: int, H: int = 16, D: int = 128, safe_gate: boo
     g = kda_gate(rand(B, T, H, D, dtype=torch.float32), torch.zeros(H, device=device),
                  torch.zeros(H * D, device=device), kind)
     leaves = [x.requires_grad_(backward) for x in (q, k, v, g, beta)]
-    kw = dict(safe_gate=True, lower_bound=-5.0) if safe_gate else {}
+    kw = dict(safe_gate=True, lower_bound=KDA_GATE_LOWER_BOUND) if safe_gate else {}
     do = torch.randn_like(v)
 
     def step():

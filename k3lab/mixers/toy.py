@@ -29,13 +29,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from k3lab.config import KDA_GATE_LOWER_BOUND
 from k3lab.mixers import chunk
 from k3lab.mixers.kda import ShortConvolution, inverse_softplus_dt_bias, kda_gate, l2norm
 from k3lab.outputs import CausalLMOutput
 
 MIXER_NAMES = ("linear", "retnet", "mamba2", "deltanet", "gated_deltanet", "kda", "softmax")
 DELTA_MIXERS = ("deltanet", "gated_deltanet", "kda")
-KDA_GATE_LOWER_BOUND = -5.0  # docs/k3_reference.md §2.1: g ∈ (−5, 0)
 # Gate init range: long memory at the start (per-token log-decay ≈ −A·dt ≥ −0.16 for Mamba2/GDN, ≈ −5·dt
 # for KDA). fla's [1e-3, 1e-1] leaves some of only 2 heads forgetting within a few tokens, and then the
 # gated mixers do not leave the MQAR plateau in a few hundred steps.

@@ -39,6 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from k3lab.config import BALANCERS
+
 
 @dataclass
 class RouterOutput:
@@ -291,8 +293,6 @@ def sorted_quantile(r: Tensor, p: float) -> Tensor:
     j = min(i + 1, r.shape[0] - 1)
     return s[i] + (pos - i) * (s[j] - s[i])
 
-
-BALANCERS = ("quantile_hist", "quantile_exact", "loss_free", "aux_loss", "none")
 
 
 def make_balancer(kind: str, router: SigmoidRouter, num_bins: int = 1000, aux_loss_coef: float = 1e-2,

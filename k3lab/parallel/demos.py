@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from k3lab.config import ModelConfig
+from k3lab.config import KDA_GATE_LOWER_BOUND, ModelConfig
 from k3lab.parallel.context import CPContext, kcp_mix, shard_sequence
 
 MIX_NAMES = ("q", "k", "v", "g", "beta")
@@ -44,7 +44,7 @@ def max_err(got: Tensor, ref: Tensor) -> float:
     return ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
 
 
-def kda_inputs(B: int, T: int, H: int, K: int, V: int, seed: int = 0, g_min: float = -5.0,
+def kda_inputs(B: int, T: int, H: int, K: int, V: int, seed: int = 0, g_min: float = KDA_GATE_LOWER_BOUND,
                dtype=torch.float32) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Random KDA mixer inputs (same on every rank for one seed): unit-norm q, k; v ~ N(0, 1);
     log-decay ``g = g_min · U(0, 1) ∈ (g_min, 0)`` (near 0: long memory); ``β = σ(N(0, 1))``."""
