@@ -1,7 +1,7 @@
 """The committed notebooks as a reader sees them: JupyterLab in headless Chromium (tools/check_notebooks_render.py).
 
 The browser run is ``slow`` (about 15 s for JupyterLab to start, then ~5 s a notebook, twice: untrusted and
-trusted); run it with ``pytest -m slow tests/test_notebooks_render.py``. It is skipped when Chromium,
+trusted, then ~1 min to run notebook 04 in the browser); run it with ``pytest -m slow tests/test_notebooks_render.py``. It is skipped when Chromium,
 chromedriver or JupyterLab is missing. The detector itself is tested on strings, in the default suite.
 """
 import importlib.util
@@ -51,18 +51,19 @@ def test_saved_widget_views_are_found(tmp_path):
 
 @pytest.mark.slow
 def test_committed_notebooks_render_finished(tmp_path):
-    """Every committed notebook, untrusted and trusted, shows no unfinished progress bar or widget."""
+    """Every committed notebook, untrusted and trusted, shows no unfinished progress bar or widget; notebook 04,
+    run in JupyterLab, shows its explorer's sliders and redraws the plot after a slider step."""
     tool = load_tool()
     chromium, driver, lab = tool.find_tools()
     if not (chromium and driver and lab):
         pytest.skip(f"needs Chromium, chromedriver and JupyterLab (found: chromium={chromium}, "
                     f"chromedriver={driver}, jupyterlab={lab})")
-    out = subprocess.run([sys.executable, str(TOOL), "--out", str(tmp_path)], capture_output=True, text=True,
-                         timeout=1800, cwd=ROOT)
+    out = subprocess.run([sys.executable, str(TOOL), "--out", str(tmp_path), "--explorers", "04"],
+                         capture_output=True, text=True, timeout=2400, cwd=ROOT)
     if out.returncode == tool.SKIP:
         pytest.skip(out.stdout.strip())
     assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-3000:]
     report = json.loads((tmp_path / "report.json").read_text())
     n = len(list((ROOT / "notebooks").glob("*.ipynb")))
-    assert len(report) == 2 * n  # every notebook, in both modes
+    assert len(report) == 2 * n + 1  # every notebook in both modes, and notebook 04 run with its sliders
     assert all(Path(shot).exists() for r in report.values() for shot in r["screenshots"])

@@ -2,6 +2,7 @@
 
     python tools/check_notebooks_render.py                    # all notebooks, untrusted and trusted
     python tools/check_notebooks_render.py --only 01 05 --out runs/render --modes trusted
+    python tools/check_notebooks_render.py --explorers 04              # also run 04 and move its sliders
 
 What it does, with nothing but the standard library, JupyterLab and the OS's Chromium:
 
@@ -15,7 +16,10 @@ What it does, with nothing but the standard library, JupyterLab and the OS's Chr
 4. fails a notebook if any output shows an unfinished progress bar (``0%|``, ``7/30 [`` with 7 < 30),
    ``Loading widget...`` or a widget error, or if the file holds a widget-view output (it has no
    saved state, so a reader can never see it);
-5. saves a screenshot of the top of each notebook and one of each progress bar, scrolled into view.
+5. saves a screenshot of the top of each notebook and one of each progress bar, scrolled into view;
+6. with ``--explorers 03 04 05``: *runs* those notebooks in JupyterLab (``notebook:run-all-cells``) and
+   checks that the ``k3lab.nb.explore`` cell shows sliders and a plot, then moves the first slider one step
+   and waits for the redrawn plot (screenshots ``NN_name-explorer.png`` and ``-explorer-moved.png``).
 
 Exit status 0: all clean; 1: a notebook failed (listed); 2: setup failed (message);
 77: Chromium, chromedriver or JupyterLab is missing (the test skips on it).
@@ -168,11 +172,13 @@ class Lab:
                         JUPYTER_RUNTIME_DIR=str(home / "runtime"), JUPYTER_CONFIG_DIR=str(home / "config"))
         cmd = [sys.executable, "-m", "jupyter", "lab", "--no-browser", f"--port={self.port}", "--ip=127.0.0.1",
                f"--IdentityProvider.token={self.token}", f"--ServerApp.root_dir={root}",
-               "--ServerApp.open_browser=False", "--LabApp.news_url=None", "--ServerApp.disable_check_xsrf=True"]
+               "--ServerApp.open_browser=False", "--LabApp.news_url=None", "--ServerApp.disable_check_xsrf=True",
+               "--LabApp.expose_app_in_browser=True"]  # window.jupyterapp: run cells for --explorers
         if hasattr(os, "geteuid") and os.geteuid() == 0:
             cmd.append("--allow-root")  # containers often run as root
         self.proc = subprocess.Popen(cmd, env=self.env, stdout=open(log, "w"), stderr=subprocess.STDOUT, cwd=root)
         self.base = f"http://127.0.0.1:{self.port}"
+
         def up():
             if self.proc.poll() is not None:
                 raise SetupError(f"jupyter lab exited with status {self.proc.returncode}; see {log}")
@@ -263,6 +269,73 @@ def check_notebook(driver: WebDriver, lab: Lab, path: Path, shots: Path, mode: s
     return {"problems": problems, "bars": [b[2] for b in bars], "screenshots": [str(p) for p in taken]}
 
 
+RUN_ALL_JS = """
+const done = arguments[arguments.length - 1];
+(async () => {
+    const app = window.jupyterapp, panel = app.shell.currentWidget;
+    await panel.sessionContext.ready;
+    for (let i = 0; i < 1200 && panel.sessionContext.kernelDisplayStatus !== 'idle'; i++) {
+        await new Promise(r => setTimeout(r, 100));
+    }
+    await app.commands.execute('notebook:run-all-cells');
+    done(panel.sessionContext.kernelDisplayStatus);
+})().catch(e => done(String(e)));
+"""
+
+EXPLORER_JS = """
+const panel = window.jupyterapp.shell.currentWidget;
+const cells = panel.content.widgets.filter(w => w.model.type === 'code');
+const idx = cells.findIndex(w => w.model.sharedModel.getSource().includes('explore('));
+const cell = idx >= 0 ? cells[idx] : null;
+if (cell && arguments[0]) { (cell.node.querySelector('.jp-Cell-outputWrapper') || cell.node).scrollIntoView({block: 'start'}); }
+if (cell && arguments[1]) {  // move the first slider one step (left, or right when it sits at its minimum)
+    const handle = cell.node.querySelector('.noUi-handle');
+    if (handle) {
+        const atMin = handle.getAttribute('aria-valuenow') === handle.getAttribute('aria-valuemin');
+        handle.dispatchEvent(new KeyboardEvent('keydown', {key: atMin ? 'ArrowRight' : 'ArrowLeft', bubbles: true}));
+    }
+}
+return {status: panel.sessionContext.kernelDisplayStatus, found: idx >= 0,
+        done: cells.filter(w => w.model.executionCount !== null).length, cells: cells.length,
+        sliders: cell ? cell.node.querySelectorAll('.widget-slider').length : 0,
+        images: cell ? cell.node.querySelectorAll('.jp-OutputArea-output img').length : 0,
+        text: cell ? Array.from(cell.node.querySelectorAll('.jp-OutputArea-output')).map(o => o.textContent).join(' ') : ''};
+"""
+
+
+def check_explorer(driver: WebDriver, lab: Lab, path: Path, shots: Path, timeout: float) -> dict:
+    """Run a notebook in JupyterLab (``notebook:run-all-cells``) and check that its ``k3lab.nb.explore``
+    cell shows sliders and a plot (the kernel runs under a Jupyter server, so ``interactive="auto"`` is on)."""
+    driver.get(f"{lab.base}/lab/tree/{path.name}?reset&token={lab.token}")
+    n_cells = len(json.loads(path.read_text())["cells"])
+    wait_until(lambda: (driver.js(READY_JS) or {}).get("cells") == n_cells, 120, f"{path.name} to open")
+    http("POST", f"{driver.url}/timeouts", {"script": int(timeout * 1000)})
+    t0 = time.monotonic()
+    started = http("POST", f"{driver.url}/execute/async", {"script": RUN_ALL_JS, "args": []},
+                   timeout=timeout + 30)["value"]
+    state = wait_until(lambda: (lambda s: s if s["done"] == s["cells"] and s["status"] == "idle" else None)(
+        driver.js(EXPLORER_JS, False, False)), max(timeout - (time.monotonic() - t0), 10), f"{path.name} to run", every=2.0)
+    time.sleep(2.0)  # the widget's first plot
+    state = driver.js(EXPLORER_JS, True, False)
+    time.sleep(0.5)
+    shot, moved_shot = shots / f"{path.stem}-explorer.png", shots / f"{path.stem}-explorer-moved.png"
+    driver.screenshot(shot)
+    problems = [] if state["found"] and state["sliders"] and state["images"] else [
+        f"explorer cell: {state['sliders']} slider(s), {state['images']} plot(s) (run-all: {started!r})"]
+    if "static plot at" in state["text"]:
+        problems.append("the explorer fell back to its static plot inside JupyterLab")
+    driver.js(EXPLORER_JS, False, True)  # one step on the first slider: the plot must be redrawn
+    time.sleep(2.0)  # the kernel picks up the change (busy), then redraws
+    moved = wait_until(lambda: (lambda s: s if s["status"] == "idle" and s["images"] and s["text"] != state["text"]
+                                 else None)(driver.js(EXPLORER_JS, True, False)), 90,
+                       "the explorer to redraw after a slider step", every=1.0)
+    time.sleep(2.0)
+    driver.screenshot(moved_shot)
+    lab.shutdown_kernels()
+    return {"problems": problems, "sliders": state["sliders"], "screenshots": [str(shot), str(moved_shot)],
+            "text_before": state["text"][-300:], "text_after": moved["text"][-300:]}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--notebooks", default=str(ROOT / "notebooks"), help="folder of committed notebooks")
@@ -272,6 +345,9 @@ def main(argv=None) -> int:
     parser.add_argument("--width", type=int, default=1400)
     parser.add_argument("--height", type=int, default=1100)
     parser.add_argument("--bar-shots", type=int, default=2, help="screenshots of progress bars per notebook")
+    parser.add_argument("--explorers", nargs="*", default=[], help="notebook prefixes to *run* in JupyterLab "
+                        "(untrusted mode) and check that their explorer shows sliders, e.g. 04")
+    parser.add_argument("--run-timeout", type=float, default=300, help="seconds to run one notebook (--explorers)")
     args = parser.parse_args(argv)
 
     chromium, driver_path, lab_ok = find_tools()
@@ -321,6 +397,19 @@ def main(argv=None) -> int:
                     if r["problems"]:
                         failed.append(f"{p.name} ({mode})")
                 print(f"{mode}: {len(sources)} notebooks in {time.monotonic() - t0:.0f} s")
+                for p in (sources if mode == modes[0] else []):
+                    if not any(p.name.startswith(e) for e in args.explorers):
+                        continue
+                    t1 = time.monotonic()
+                    r = check_explorer(driver, lab, root / p.name, out, args.run_timeout)
+                    report[f"{p.name} (run in JupyterLab)"] = r
+                    status = "FAIL" if r["problems"] else "ok"
+                    print(f"{status:4s} {p.name} run in JupyterLab: explorer shows {r['sliders']} slider(s) "
+                          f"({time.monotonic() - t1:.0f} s)")
+                    for problem in r["problems"]:
+                        print(f"     {problem}")
+                    if r["problems"]:
+                        failed.append(f"{p.name} (explorer)")
             except (SetupError, OSError, urllib.error.URLError, subprocess.CalledProcessError, KeyError) as err:
                 print(f"setup failed ({mode}): {err}; logs in {out}")
                 return 2
