@@ -95,7 +95,8 @@ def test_interpreter_suite():
 @needs_kernels
 @pytest.mark.parametrize(
     "B, T, H, K, V, with_state",
-    [(1, 64, 1, 16, 16, True), (2, 37, 2, 16, 32, False), (1, 130, 1, 32, 16, True), (1, 80, 1, 128, 128, True)],
+    [(1, 64, 1, 16, 16, True), (2, 37, 2, 16, 32, False), (1, 130, 1, 32, 16, True),
+     pytest.param(1, 80, 1, 128, 128, True, marks=pytest.mark.gpu)],  # K = 128: the interpreter's slowest case
     ids=["B1-T64-H1-K16-V16-h0", "B2-T37-H2-K16-V32", "B1-T130-H1-K32-V16-h0", "B1-T80-H1-K128-V128-h0"],
 )
 def test_chunk_fp32(B, T, H, K, V, with_state):
@@ -113,7 +114,8 @@ PACKED = [[37, 64, 1, 100], [130]]  # sequence lengths: partial, full, one-token
 @needs_kernels
 @pytest.mark.parametrize(
     "lengths, H, K, V, with_state",
-    [(PACKED[0], 2, 16, 32, True), (PACKED[1], 1, 32, 16, False), ([20, 70], 1, 128, 128, True)],
+    [(PACKED[0], 2, 16, 32, True), (PACKED[1], 1, 32, 16, False),
+     pytest.param([20, 70], 1, 128, 128, True, marks=pytest.mark.gpu)],
     ids=["N4-T202-H2-K16-V32-h0", "N1-T130-H1-K32-V16", "N2-T90-H1-K128-V128-h0"],
 )
 def test_chunk_packed_fp32(lengths, H, K, V, with_state):

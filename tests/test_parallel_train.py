@@ -285,6 +285,7 @@ def test_dcp_resume_same_world_size_is_exact(saved_run):
     assert sorted(os.listdir(saved_run[0])) == ["ckpt-00000002", "ckpt-00000003", "latest"]
 
 
+@pytest.mark.slow  # ~50 s of spawns; the same-world-size resume (exact) stays in the default suite
 def test_dcp_resume_at_other_world_sizes(saved_run):
     """The EP-2 checkpoint resumed by one process (2 → 1: whole experts) and by 4 ranks with EP 4 and CP 2
     (2 → 4: re-sharded experts and FSDP shards): step 3 equals the uninterrupted run within 1e-5."""
