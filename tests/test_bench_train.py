@@ -53,6 +53,7 @@ def test_table_reports_oom_and_skips():
     assert table[2].endswith("| OOM |") and "134.4" in table[2] and "skipped" in table[3]
 
 
+@pytest.mark.slow  # two child processes (~40 s on 2 cores); config parsing and the table are tested above
 def test_cpu_run_writes_finite_rows(tmp_path):
     out = tmp_path / "rows.json"
     proc = subprocess.run([sys.executable, str(BENCH), "--device", "cpu", "--configs", "tiny-2x64@recompute=sublayer",
