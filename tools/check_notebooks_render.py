@@ -88,6 +88,10 @@ def free_port() -> int:
 
 
 def http(method: str, url: str, body: dict | None = None, timeout: float = 60, token: str | None = None):
+    """One JSON request to a local server this script started (chromedriver or JupyterLab on 127.0.0.1):
+    the WebDriver protocol is HTTP. Nothing is downloaded; no other host is contacted."""
+    if not url.startswith(("http://127.0.0.1:", "http://localhost:")):
+        raise ValueError(f"http: {url!r} is not a local server this script started")
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
     if token:
