@@ -30,7 +30,6 @@ Graph breaks (the pieces on both sides are still compiled):
   ``torch.compiler.disable`` here: it is Python bookkeeping (a device check, running tensors and lists
   of margins on a plain object, the distributed ``all_reduce`` hook). The router before it and the
   dispatch and experts after it are compiled; an auxiliary loss it returns keeps its gradient.
-* LatentMoE dispatch: ``torch.bincount`` (the group sizes) has a data-dependent output shape.
 * The padded expert path (CPU; CUDA + bf16 takes ``grouped_mm``) reads ``int(counts.max())``, a
   host value: one more break, and one recompile before that piece goes dynamic.
 

@@ -8,6 +8,12 @@ and the kernels and ops that take it (torch profiler). Used to explain notebook 
 Same step as ``k3lab.train.fit`` (bf16 autocast, clip, optimizer step, ``after_optimizer_step``), on
 random token ids. Prints: ms per step (median of the timed steps), the share of it the GPU was busy,
 the GPU time by kind of kernel (:data:`KINDS`), the top CUDA kernels, and the top CPU-side ops by self time.
+``--saved``: also what one forward keeps for backward, by module class and dtype (:func:`saved_bytes`: an
+eager copy of the model with the same recompute mode, storages counted once, attributed to the innermost
+module running when autograd saved them; tensors a checkpointed region recomputes are not counted).
+``--live``: what is allocated at the end of one forward of the model as it runs (compiled too), by the
+line of k3lab code that allocated it (:func:`live_after_forward`, from ``torch.cuda.memory`` history with
+Python stacks): parameters, optimizer state and what the forward keeps for backward.
 ``--preset kda-anchor``: the pure-KDA shape of ``kernels/bench_train.py``.
 """
 
@@ -41,6 +47,81 @@ def kind_of(name: str) -> str:
     return next(kind for kind, pattern in KINDS if re.search(pattern, name))
 
 
+def saved_bytes(model: torch.nn.Module, x: torch.Tensor) -> tuple[dict, int]:
+    """``({(module class, dtype): bytes}, total)`` that one autocast bf16 forward of ``model`` on ``x``
+    saves for backward (unique storages; the innermost running module gets them)."""
+    stack, saved, seen, handles = [], {}, set(), []
+    for name, mod in model.named_modules():
+        if name:
+            handles.append(mod.register_forward_pre_hook(lambda m, a: stack.append(type(m).__name__)))
+            handles.append(mod.register_forward_hook(lambda m, a, o: [stack.pop()] and None))
+
+    def pack(t):
+        key = t.untyped_storage().data_ptr()
+        if key not in seen and t.device.type == x.device.type:
+            seen.add(key)
+            k = (stack[-1] if stack else "K3ForCausalLM (loss, AttnRes mixes)", str(t.dtype).replace("torch.", ""))
+            saved[k] = saved.get(k, 0) + t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autocast(x.device.type, dtype=torch.bfloat16):
+            loss = model(x, labels=x).loss
+    del loss
+    for h in handles:
+        h.remove()
+    return saved, sum(saved.values())
+
+
+def _site(frames: list[dict]) -> str:
+    """The innermost two k3lab frames of an allocation's stack, as ``file:line`` (innermost first)."""
+    ours = [f for f in frames if "/k3lab/" in f["filename"] or "/kernels/" in f["filename"]]
+    return " < ".join(f"{f['filename'].rsplit('/k3lab/', 1)[-1]}:{f['line']}" for f in ours[:2]) or "(no k3lab frame)"
+
+
+def live_after_forward(step_forward, dev) -> tuple[dict, int]:
+    """``({allocation site: bytes}, total)`` of the CUDA blocks live after ``step_forward()`` returns and
+    allocated during it (``torch.cuda.memory._record_memory_history`` with Python stacks)."""
+    torch.cuda.synchronize(dev)
+    torch.cuda.memory._record_memory_history(max_entries=200_000, stacks="python")
+    keep = step_forward()
+    torch.cuda.synchronize(dev)
+    snap = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    sites = {}
+    for seg in snap["segments"]:
+        for block in seg["blocks"]:
+            if block["state"] == "active_allocated" and block.get("frames"):
+                site = _site(block["frames"])
+                sites[site] = sites.get(site, 0) + block["size"]
+    del keep
+    return sites, sum(sites.values())
+
+
+def print_live(step_forward, dev, tokens: int, top: int) -> None:
+    sites, total = live_after_forward(step_forward, dev)
+    print(f"allocated during one forward and live at its end: {total / 2**30:.2f} GiB, {total / tokens / 1024:.1f} KiB a token")
+    for site, b in sorted(sites.items(), key=lambda kv: -kv[1])[:top]:
+        print(f"  {b / 2**30:8.2f} GiB  {b / tokens / 1024:7.1f} KiB/token  {site}")
+
+
+def print_saved(cfg, args, dev, x) -> None:
+    model = K3ForCausalLM(cfg).to(dev).train()
+    model.fused_loss = args.fused_loss
+    apply_recompute(model, args.recompute)
+    saved, total = saved_bytes(model, x)
+    tokens = x.numel()
+    print(f"saved for backward by one eager forward (recompute={args.recompute}): {total / 2**30:.2f} GiB, "
+          f"{total / tokens / 1024:.1f} KiB a token")
+    by_class = {}
+    for (cls, dt), b in saved.items():
+        by_class.setdefault(cls, {})[dt] = b
+    for cls, dts in sorted(by_class.items(), key=lambda kv: -sum(kv[1].values())):
+        parts = ", ".join(f"{dt} {b / 2**30:.2f}" for dt, b in sorted(dts.items(), key=lambda kv: -kv[1]))
+        print(f"  {sum(dts.values()) / 2**30:8.2f} GiB  {sum(dts.values()) / tokens / 1024:7.1f} KiB/token  {cls:<22} ({parts})")
+    del model
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="small", choices=("tiny", "small", "kda-anchor"))
@@ -53,6 +134,8 @@ def main():
     parser.add_argument("--steps", type=int, default=5, help="timed steps (after 3 warm-up steps)")
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a smoke test only")
+    parser.add_argument("--saved", action="store_true", help="also print what one forward saves for backward")
+    parser.add_argument("--live", action="store_true", help="also print what one forward leaves allocated (CUDA)")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA GPU here")
@@ -123,6 +206,14 @@ def main():
         print(f"  {t:8.2f}  {name[:100]}")
     print("top CPU ops by self time (ms in one step):")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top, max_name_column_width=60))
+    if args.live and dev.type == "cuda":
+        def forward():
+            with torch.autocast(dev.type, dtype=torch.bfloat16):
+                return model(x, labels=x).loss
+        print_live(forward, dev, x.numel(), args.top)
+    if args.saved:
+        del model, opt
+        print_saved(cfg, args, dev, x)
 
 
 if __name__ == "__main__":

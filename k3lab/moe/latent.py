@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from k3lab.moe.router import SigmoidRouter, make_balancer
+from k3lab.moe.router import SigmoidRouter, expert_load, make_balancer
 from k3lab.moe.situ import ACTIVATIONS, SiTUMLP, glu_activation
 
 EXPERT_IMPLS = ("auto", "reference", "padded", "grouped")
@@ -77,7 +77,7 @@ class LocalDispatcher:
         N, k = topk_idx.shape
         flat = topk_idx.reshape(-1)                                   # [N·k]
         order = flat.argsort(stable=True)                             # [N·k]
-        counts = torch.bincount(flat, minlength=num_experts)          # [E]
+        counts = expert_load(flat, num_experts)                       # [E], no host sync
         return x.index_select(0, order // k), DispatchPlan(order, counts, N, k)
 
     def combine(self, y_sorted: Tensor, plan: DispatchPlan, topk_weight: Tensor) -> Tensor:

@@ -99,8 +99,15 @@ def route_scores(scores: Tensor, bias: Tensor, top_k: int, routed_scaling_factor
 
 
 def expert_load(topk_idx: Tensor, num_experts: int) -> Tensor:
-    """Token slots per expert: topk_idx [N, k] -> [E] int64."""
-    return torch.bincount(topk_idx.reshape(-1), minlength=num_experts)
+    """Token slots per expert: topk_idx [N, k] -> [E] int64 (``bincount(minlength=E)``'s values).
+
+    A ``scatter_add_`` into E zeros, not ``torch.bincount``: bincount's output length depends on the
+    largest index, so on CUDA it reads ``max`` back to the host (a sync in every MoE layer's forward)
+    and ``torch.compile`` breaks its graph there; this has a static shape and stays on the device.
+    Integer adds: exact and deterministic."""
+    flat = topk_idx.reshape(-1)
+    return torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
+        0, flat.long(), torch.ones_like(flat, dtype=torch.int64))
 
 
 def max_violation(load: Tensor) -> float:
