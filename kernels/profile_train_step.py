@@ -167,6 +167,11 @@ def main():
     for _ in range(3):
         step()
     sync()
+    if args.compile != "none":  # dynamo's graph breaks while compiling the warm-up steps, by reason
+        from torch._dynamo.utils import counters
+
+        breaks = sorted(counters["graph_break"].items(), key=lambda kv: -kv[1])
+        print(f"graph breaks: {sum(n for _, n in breaks)}" + "".join(f"\n  {n:4d}  {reason[:160]}" for reason, n in breaks))
     times = []
     for _ in range(args.steps):
         t0 = time.perf_counter()

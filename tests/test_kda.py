@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from k3lab.config import ModelConfig
-from k3lab.mixers.kda import KDA, KDACache, causal_conv1d, kda_gate, l2norm
+from k3lab.mixers.kda import KDA, KDACache, causal_conv1d, kda_gate, kda_gate_reference, l2norm
 from k3lab.mixers.numerics import factored_chunk_attention, factored_errors, log_range, pairwise_chunk_attention
 from k3lab.testing import assert_close
 
@@ -76,6 +76,49 @@ def test_gate_bounds():
     z_mid = torch.zeros(1, 1, H, K)
     g_mid = kda_gate(z_mid, torch.zeros(H), torch.zeros(H * K), "k3", lower_bound=-5.0)
     assert torch.equal(g_mid, torch.full_like(g_mid, -2.5))  # σ(0) = 1/2
+
+
+def _gate_inputs(dtype, seed=0, B=2, T=5, H=3, K=4):
+    gen = torch.Generator().manual_seed(seed)
+    z = (3 * torch.randn(B, T, H, K, generator=gen, dtype=torch.float64)).to(dtype).requires_grad_()
+    A_log = torch.randn(H, generator=gen, dtype=torch.float64).float().requires_grad_()
+    dt_bias = torch.randn(H * K, generator=gen, dtype=torch.float64).float().requires_grad_()
+    return z, A_log, dt_bias
+
+
+def test_k3_gate_function_gradients_equal_autograd_on_the_formula():
+    """K3GateFunction (saves z, recomputes σ) vs autograd on kda_gate_reference (keeps σ): float64
+    gradcheck, and equal values and gradients in float32 and for bf16 z (as under autocast)."""
+    z, A_log, dt_bias = _gate_inputs(torch.float64)
+    assert torch.autograd.gradcheck(lambda *t: kda_gate(*t, kind="k3", lower_bound=-5.0),
+                                    (z, A_log.double().detach().requires_grad_(), dt_bias.double().detach().requires_grad_()))
+    for dtype in (torch.float32, torch.bfloat16):
+        z, A_log, dt_bias = _gate_inputs(dtype, seed=1)
+        grad = torch.randn(z.shape, generator=torch.Generator().manual_seed(2))
+        got = kda_gate(z, A_log, dt_bias, "k3", lower_bound=-5.0)
+        assert got.grad_fn.name().startswith("K3GateFunction")
+        ref = kda_gate_reference(z, A_log, dt_bias, "k3", lower_bound=-5.0)
+        assert torch.equal(got, ref)
+        g_got = torch.autograd.grad(got, (z, A_log, dt_bias), grad)
+        g_ref = torch.autograd.grad(ref, (z, A_log, dt_bias), grad)
+        for a, b, name in zip(g_got, g_ref, ("z", "A_log", "dt_bias")):
+            assert a.dtype == b.dtype, name
+            assert_close(f"d{name} {dtype}", b.float(), a.float(), 1e-6 if dtype == torch.float32 else 1e-2)
+
+
+def test_kda_op_gets_contiguous_inputs(monkeypatch):
+    """The recurrence's inputs leave the layer contiguous (the conv writes [B, T, D]): the Triton op's
+    ``.contiguous()`` copies nothing, so it keeps no second copy of v for backward."""
+    layer = make_layer(torch.float32)
+    seen = {}
+
+    def spy(q, k, v, g, beta, initial_state):
+        seen.update(q=q, k=k, v=v, g=g, beta=beta)
+        return KDA._mix(layer, q, k, v, g, beta, initial_state)
+
+    monkeypatch.setattr(layer, "_mix", spy)
+    layer(rand_x(layer, dtype=torch.float32))
+    assert {name: t.is_contiguous() for name, t in seen.items()} == dict.fromkeys(seen, True)
 
 
 def test_gate_rejects_bad_arguments():

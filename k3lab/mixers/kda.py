@@ -67,14 +67,58 @@ def kda_gate(z: Tensor, A_log: Tensor, dt_bias: Tensor, kind: str = "k3",
         raise ValueError(f"A_log must be [H] = ({H},), got {tuple(A_log.shape)}")
     if dt_bias.shape != (H * K,):
         raise ValueError(f"dt_bias must be [H*K] = ({H * K},), got {tuple(dt_bias.shape)}")
+    if kind == "k3" and not lower_bound < 0:
+        raise ValueError(f"lower_bound={lower_bound}: must be < 0 (K3: {KDA_GATE_LOWER_BOUND})")
+    if kind == "k3" and torch.is_grad_enabled() and any(t.requires_grad for t in (z, A_log, dt_bias)):
+        return K3GateFunction.apply(z, A_log, dt_bias, float(lower_bound))
+    return kda_gate_reference(z, A_log, dt_bias, kind, lower_bound)
+
+
+def kda_gate_reference(z: Tensor, A_log: Tensor, dt_bias: Tensor, kind: str = "k3",
+                       lower_bound: float = KDA_GATE_LOWER_BOUND) -> Tensor:
+    """:func:`kda_gate`'s formula in plain ops, differentiated by autograd (which keeps the float32
+    ``σ(e^{A} z)`` of the K3 gate, 4 bytes per channel and token, for backward). No argument checks."""
+    H, K = z.shape[-2:]
     dtype = torch.promote_types(z.dtype, torch.float32)
     z = z.to(dtype) + dt_bias.to(dtype).view(H, K)  # [..., H, K]
     a = A_log.to(dtype).exp()[:, None]  # e^{A_h} [H, 1]
     if kind == "k3":
-        if not lower_bound < 0:
-            raise ValueError(f"lower_bound={lower_bound}: must be < 0 (K3: {KDA_GATE_LOWER_BOUND})")
         return lower_bound * torch.sigmoid(a * z)  # g ∈ (-5, 0): 16 steps ≥ e^-80, inside bf16
     return -a * F.softplus(z)
+
+
+class K3GateFunction(torch.autograd.Function):
+    r"""The K3 gate ``g = lb · σ(a ⊙ z')``, ``z' = z + dt_bias``, ``a = e^{A_log}`` (per head), saving only
+    ``z`` (in its own dtype: bf16 under autocast, the ``f_b_proj`` output) and the two parameters; ``σ``
+    is recomputed in backward instead of kept in float32. With ``s = σ(a z')`` and upstream ``ḡ``::
+
+        ū = sigmoid_backward(lb·ḡ, s) = lb·ḡ·s(1 − s)        (u = a z')
+        z̄ = ū·a      dt̄_bias = Σ_{batch} ū·a      Ā_log = a · Σ_{batch, K} ū·z'
+
+    the same ops, in the same order, as autograd applies to :func:`kda_gate_reference`.
+    """
+
+    @staticmethod
+    def forward(ctx, z: Tensor, A_log: Tensor, dt_bias: Tensor, lower_bound: float) -> Tensor:
+        ctx.save_for_backward(z, A_log, dt_bias)
+        ctx.lower_bound = lower_bound
+        return kda_gate_reference(z, A_log, dt_bias, "k3", lower_bound)
+
+    @staticmethod
+    def backward(ctx, grad_g: Tensor):
+        z, A_log, dt_bias = ctx.saved_tensors
+        H, K = z.shape[-2:]
+        dtype = torch.promote_types(z.dtype, torch.float32)
+        zb = z.to(dtype) + dt_bias.to(dtype).view(H, K)  # z' [..., H, K]
+        a = A_log.to(dtype).exp()[:, None]  # [H, 1]
+        s = torch.sigmoid(a * zb)
+        du = torch.ops.aten.sigmoid_backward(grad_g * ctx.lower_bound, s)  # [..., H, K]
+        dzb = du * a
+        dz = dzb.to(z.dtype) if ctx.needs_input_grad[0] else None
+        dA = (du * zb).sum_to_size(a.shape) * a if ctx.needs_input_grad[1] else None  # d/dA_log e^{A_log} = a
+        dA = None if dA is None else dA.view(H).to(A_log.dtype)
+        ddt = dzb.sum_to_size(H, K).reshape(H * K).to(dt_bias.dtype) if ctx.needs_input_grad[2] else None
+        return dz, dA, ddt, None
 
 
 def causal_conv1d(x: Tensor, weight: Tensor, conv_state: Tensor | None = None) -> tuple[Tensor, Tensor]:
@@ -98,12 +142,14 @@ def causal_conv1d(x: Tensor, weight: Tensor, conv_state: Tensor | None = None) -
         conv_state = x.new_zeros(B, D, W - 1)
     elif conv_state.shape != (B, D, W - 1):
         raise ValueError(f"conv_state must be [B, D, W-1] = {(B, D, W - 1)}, got {tuple(conv_state.shape)}")
-    xs = torch.cat([conv_state.to(x.dtype), x.transpose(1, 2)], dim=-1)  # [B, D, W-1+T]
+    xs = torch.cat([conv_state.to(x.dtype).transpose(1, 2), x], dim=1)  # [B, W-1+T, D]
     dtype = torch.promote_types(x.dtype, weight.dtype)
-    taps = weight.to(dtype)[:, 0, :, None]  # [D, W, 1]
+    taps = weight.to(dtype)[:, 0, :].T  # [W, D]
     window = xs.to(dtype)
-    y = sum(taps[:, w] * window[..., w : w + T] for w in range(W))  # [B, D, T]; W taps beat a depthwise conv1d kernel
-    return y.transpose(1, 2).to(x.dtype), xs[..., T:]
+    # W taps beat a depthwise conv1d kernel; in x's [B, T, D] layout the output is contiguous, so the
+    # kernels that take it (the KDA op: v) need no copy
+    y = sum(taps[w] * window[:, w : w + T] for w in range(W))  # [B, T, D]
+    return y.to(x.dtype), xs[:, T:].transpose(1, 2).contiguous()
 
 
 def l2norm(x: Tensor, eps: float = L2NORM_EPS) -> Tensor:
