@@ -8,7 +8,8 @@ import torch
 
 from k3lab.moe import latent, situ
 from k3lab.moe.latent import RoutedExperts
-from k3lab.moe.situ import SiTUMLP, glu_activation, situ_glu, situ_glu_reference, swiglu, swiglu_reference
+from k3lab.moe.situ import (GLUOutputRecorder, SiTUMLP, glu_activation, glu_down, situ_glu, situ_glu_reference, swiglu,
+                            swiglu_reference)
 from k3lab.testing import assert_close, rel_err, saved_bytes
 
 FP32 = 1e-6
@@ -152,11 +153,64 @@ def test_situ_mlp_saved_bytes_bf16(act, monkeypatch):
     seen = {}
     for fused in (True, False):
         monkeypatch.setattr(situ, "glu_activation", functools.partial(glu_activation, fused=fused))
+        mlp.fuse_down = fused  # the reference: autograd on the formula, then down_proj keeping h
         _, seen[fused] = saved_bytes(lambda: mlp(x), exclude=mlp.parameters())
-    bound = 2 * N * D + 3 * 2 * N * I  # x [N, D] + gate, up, h [N, I], bf16
+    bound = 2 * N * D + 2 * 2 * N * I  # x [N, D] + gate, up [N, I], bf16: h [N, I] is recomputed in backward
     fused_b, ref_b = total(seen[True]), total(seen[False])
     print(f"\nSiTUMLP[{act}] N={N} D={D} I={I}: saved {fused_b} B fused (bound {bound}) vs {ref_b} B reference "
           f"({ref_b / fused_b:.1f}x)")
     assert total(seen[True], torch.float32) == 0
     assert fused_b <= bound
     assert fused_b * (3 if act == "situ" else 2) < ref_b
+
+
+# ---------------------------------------------------------------------------------------------- act + down projection
+@pytest.mark.parametrize("act", ["situ", "swiglu"])
+def test_glu_down_dense_equals_activation_then_linear(act):
+    """glu_down (h recomputed in backward) vs glu_activation + F.linear: float64 gradcheck, float32
+    values and gradients of gate, up and the weight within 1e-6."""
+    g, u = inputs((3, 5, 16), torch.float64, seed=3)
+    g, u = g.clamp(-40, 40) / 3, u.clamp(-200, 200) / 3  # finite differences stay accurate (as test_gradcheck_float64)
+    w = torch.randn(8, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    args = (g.requires_grad_(), u.requires_grad_(), w.clone().requires_grad_())
+    assert torch.autograd.gradcheck(lambda a, b, c: glu_down(a, b, c, None, act), args)
+    g, u, w = (t.detach().float().requires_grad_() for t in args)
+    go = torch.randn(3, 5, 8, generator=torch.Generator().manual_seed(5))
+    got = glu_down(g, u, w, None, act)
+    ref = torch.nn.functional.linear(glu_activation(g, u, act), w)
+    assert_close(f"glu_down[{act}] out", ref, got, FP32)
+    for name, a, b in zip(("gate", "up", "weight"), torch.autograd.grad(got, (g, u, w), go), torch.autograd.grad(ref, (g, u, w), go)):
+        assert_close(f"glu_down[{act}] d{name}", b, a, FP32)
+
+
+def test_glu_down_grouped_equals_a_loop_over_experts():
+    """The routed experts' form (grouped_mm over expert groups, bf16): output and gradients equal a loop over
+    the experts in float32 on the same bf16 inputs within 1e-2; an empty group gets a zero weight gradient."""
+    S, L, I, counts = 37, 16, 24, [10, 0, 20, 7]
+    gen = torch.Generator().manual_seed(6)
+    g, u = (t.to(torch.bfloat16) for t in inputs((S, I), torch.float64, seed=6))
+    g, u = g.clamp(-20, 20), u.clamp(-60, 60)  # keep the fp32 loop's bf16 rounding of h comparable
+    w = (0.2 * torch.randn(len(counts), L, I, generator=gen)).to(torch.bfloat16)
+    go = torch.randn(S, L, generator=gen).to(torch.bfloat16)
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+    g, u, w = (t.clone().requires_grad_() for t in (g, u, w))
+    got = glu_down(g, u, w, offs)
+    d_got = torch.autograd.grad(got, (g, u, w), go)
+    g32, u32, w32 = (t.detach().float().requires_grad_() for t in (g, u, w))
+    h = situ_glu_reference(g32, u32)
+    ref = torch.cat([h[a:b] @ w32[e].T for e, (a, b) in enumerate(zip([0, *offs[:-1].tolist()], offs.tolist()))])
+    d_ref = torch.autograd.grad(ref, (g32, u32, w32), go.float())
+    assert_close("grouped glu_down out", ref, got.float(), BF16)
+    for name, a, b in zip(("gate", "up", "weight"), d_got, d_ref):
+        assert_close(f"grouped glu_down d{name}", b, a.float(), BF16)
+    assert d_got[2][1].abs().max() == 0
+
+
+def test_glu_output_recorder_sees_h_and_restores_the_fused_path():
+    mlp = SiTUMLP(16, 32).train()
+    rec = GLUOutputRecorder(torch.nn.Sequential(mlp))
+    assert mlp.fuse_down is False
+    mlp(torch.randn(4, 16))
+    assert len(rec.history["0"]) == 1 and rec.history["0"][0]["max_abs"] > 0
+    rec.remove()
+    assert mlp.fuse_down is True

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from k3lab.moe.router import SigmoidRouter, expert_load, make_balancer
-from k3lab.moe.situ import ACTIVATIONS, SiTUMLP, glu_activation
+from k3lab.moe.situ import ACTIVATIONS, SiTUMLP, glu_activation, glu_down
 
 EXPERT_IMPLS = ("auto", "reference", "padded", "grouped")
 ExpertWeights = tuple[Tensor, Tensor, Tensor]  # (w1 [G, I, L], w3 [G, I, L], w2 [G, L, I])
@@ -160,12 +160,13 @@ class RoutedExperts(nn.Module):
         return torch.bmm(h, w2.mT)[expert, slot]                                    # [S, L]
 
     def forward_grouped(self, x: Tensor, counts: Tensor, weights: ExpertWeights | None = None) -> Tensor:
-        """One ``F.grouped_mm`` per projection over the jagged groups (offsets = cumulative counts)."""
+        """One ``F.grouped_mm`` per projection over the jagged groups (offsets = cumulative counts); the
+        activation and the down projection as one :func:`~k3lab.moe.situ.glu_down` node (h not kept)."""
         offs = counts.cumsum(0).to(torch.int32)                                     # [E] group ends
-        w1, w3, w2 = (w.to(x.dtype) for w in self._weights(weights))
-        h = self._act(F.grouped_mm(x, w1.transpose(-2, -1), offs=offs),
-                      F.grouped_mm(x, w3.transpose(-2, -1), offs=offs))             # [S, I]
-        return F.grouped_mm(h, w2.transpose(-2, -1), offs=offs)                     # [S, L]
+        w1, w3, w2 = self._weights(weights)
+        gate = F.grouped_mm(x, w1.to(x.dtype).transpose(-2, -1), offs=offs)        # [S, I]
+        up = F.grouped_mm(x, w3.to(x.dtype).transpose(-2, -1), offs=offs)          # [S, I]
+        return glu_down(gate, up, w2, offs, self.act, self.beta, self.linear_beta)  # [S, L]; h recomputed in backward
 
 
 # ----------------------------------------------------------------------------------------------

@@ -159,6 +159,72 @@ class SwiGLUFunction(torch.autograd.Function):
         return _piecewise(fn, (gate, up, grad_out), (gate.dtype if need_g else None, up.dtype if need_u else None))
 
 
+_ACT_PASSES = {  # act -> (forward(gate, up, *betas) -> (h,), backward(gate, up, dh, *betas, need_g, need_u))
+    "situ": (_situ_forward, _situ_backward),
+    "swiglu": (lambda g, u: _swiglu_forward(g, u), lambda g, u, go, ng, nu: _swiglu_backward(g, u, go, ng, nu)),
+}
+
+
+def _down(h: Tensor, w: Tensor, offs: Tensor | None) -> Tensor:
+    """``h @ wᵀ``: dense ``w [D, I]`` (``F.linear``), or per group ``w [G, L, I]`` with ``offs`` (``F.grouped_mm``)."""
+    return F.linear(h, w) if offs is None else F.grouped_mm(h, w.transpose(-2, -1), offs=offs)
+
+
+class GLUDownFunction(torch.autograd.Function):
+    r"""``out = act(gate, up) @ Wᵀ`` — the gated activation and the down projection as one autograd node
+    that saves ``gate``, ``up`` and ``W`` (the parameter itself, not a bf16 copy) but not ``h = act(gate, up)``:
+    backward recomputes ``h`` (elementwise) for the weight gradient. Per token and unit of width that is
+    2 bytes of bf16 less than :func:`situ_glu` followed by a Linear (whose autograd keeps its input ``h``)::
+
+        h = act(gate, up)        out = h Wᵀ                       (dense W [D, I]; or per expert group g:
+        h̄ = out̄ W                W̄ = out̄ᵀ h                        out_g = h_g W_gᵀ, W̄_g = out̄_gᵀ h_g, offs = group ends)
+        gāte, ūp = act's backward at (gate, up) with h̄          (:class:`SiTUGLUFunction`'s formulas)
+
+    The matmuls run in ``h``'s dtype (bf16 under autocast, with W cast to it, as autocast does for a
+    Linear); W's gradient is returned in W's dtype. Exact against the unfused path in float32 (tests).
+    """
+
+    @staticmethod
+    def forward(ctx, gate: Tensor, up: Tensor, weight: Tensor, offs: Tensor | None, act: str,
+                betas: tuple[float, ...]) -> Tensor:
+        fwd, _ = _ACT_PASSES[act]
+        h = _piecewise(lambda g, u: fwd(g, u, *betas), (gate, up), (gate.dtype,))[0]  # [..., I]
+        ctx.save_for_backward(gate, up, weight, offs)
+        ctx.act, ctx.betas = act, betas
+        return _down(h, weight.to(h.dtype), offs)
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        gate, up, weight, offs = ctx.saved_tensors
+        fwd, bwd = _ACT_PASSES[ctx.act]
+        h = _piecewise(lambda g, u: fwd(g, u, *ctx.betas), (gate, up), (gate.dtype,))[0]  # recomputed [..., I]
+        w, go = weight.to(h.dtype), grad_out.to(h.dtype)
+        if offs is None:
+            dh = go @ w                                                                 # [..., I]
+            dw = go.reshape(-1, go.shape[-1]).T @ h.reshape(-1, h.shape[-1]) if ctx.needs_input_grad[2] else None
+        else:
+            dh = F.grouped_mm(go, w, offs=offs)                                         # [S, I]
+            dw = F.grouped_mm(go.T, h, offs=offs) if ctx.needs_input_grad[2] else None   # [G, L, I]
+        need_g, need_u = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        fn = lambda g, u, d: bwd(g, u, d, *ctx.betas, need_g, need_u)  # noqa: E731
+        dgate, dup = _piecewise(fn, (gate, up, dh), (gate.dtype if need_g else None, up.dtype if need_u else None))
+        return dgate, dup, None if dw is None else dw.to(weight.dtype), None, None, None
+
+
+def glu_down(gate: Tensor, up: Tensor, weight: Tensor, offs: Tensor | None = None, act: str = "situ",
+             beta: float = 4.0, linear_beta: float = 25.0) -> Tensor:
+    """``act(gate, up) @ weightᵀ`` without keeping the activation for backward (:class:`GLUDownFunction`).
+
+    Dense: gate, up ``[..., I]``, weight ``[D, I]`` -> ``[..., D]``. Grouped (routed experts): gate, up
+    ``[S, I]`` sorted by expert, weight ``[G, L, I]``, offs ``[G]`` int32 group ends -> ``[S, L]``.
+    Equal to ``glu_activation(gate, up, act, ...)`` followed by the matmul."""
+    if act not in ACTIVATIONS:
+        raise ValueError(f"act={act!r}: allowed values are {ACTIVATIONS}")
+    _check_pair(gate, up)
+    betas = (float(beta), float(linear_beta)) if act == "situ" else ()
+    return GLUDownFunction.apply(gate, up, weight, offs, act, betas)
+
+
 def _check_pair(gate: Tensor, up: Tensor) -> None:
     """gate and up must broadcast (as the plain formula; autograd sums a broadcast input's gradient)."""
     try:
@@ -208,10 +274,13 @@ class SiTUMLP(nn.Module):
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.fuse_down = True  # act + down_proj as one node (glu_down: h recomputed in backward); False: down_proj(h)
 
     def forward(self, x: Tensor) -> Tensor:
-        h = glu_activation(self.gate_proj(x), self.up_proj(x), self.act, self.beta, self.linear_beta)  # [..., I]
-        return self.down_proj(h)
+        gate, up = self.gate_proj(x), self.up_proj(x)                                  # [..., I]
+        if self.fuse_down:
+            return glu_down(gate, up, self.down_proj.weight, None, self.act, self.beta, self.linear_beta)
+        return self.down_proj(glu_activation(gate, up, self.act, self.beta, self.linear_beta))
 
 
 class GLUOutputRecorder:
@@ -224,9 +293,12 @@ class GLUOutputRecorder:
         self.threshold = threshold
         self.history: dict[str, list[dict]] = {}
         self.handles = []
+        self.modules: list[SiTUMLP] = []
         for name, module in model.named_modules():
             if isinstance(module, SiTUMLP):
                 self.history[name] = []
+                module.fuse_down = False  # so that down_proj runs as a module and its hook sees h
+                self.modules.append(module)
                 self.handles.append(module.down_proj.register_forward_pre_hook(self._hook(name, module)))
 
     def _hook(self, name: str, mlp: nn.Module):
@@ -238,6 +310,8 @@ class GLUOutputRecorder:
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
+        for module in self.modules:
+            module.fuse_down = True
 
 
 @torch.no_grad()
