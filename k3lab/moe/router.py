@@ -266,7 +266,10 @@ class QuantileBalancer(Balancer):
         b_hat = self.exact_quantile() if self.exact else self.histogram_quantile()
         if b_hat is None:
             return
-        self.bias.copy_((b_hat - b_hat.mean()).to(self.bias.dtype))
+        moved = (b_hat - b_hat.mean()).to(self.bias.dtype)
+        if not self.exact:  # no token seen (an empty histogram): keep the bias, decided on the device (no sync)
+            moved = torch.where(self.counts[0].sum() > 0, moved, self.bias.detach())
+        self.bias.copy_(moved)
         self.margins.clear()
         self.counts.zero_()
 
@@ -278,14 +281,14 @@ class QuantileBalancer(Balancer):
         return sorted_quantile(r, self.top_k / self.num_experts)
 
     def histogram_quantile(self) -> Tensor | None:
-        """Per-expert (k/E)-quantile read off the ``[E, B]`` counts (see the class docstring). [E]."""
-        m = self.counts[0].sum().item()       # every token adds one r per expert (a sync, but after the step)
-        if m == 0:
-            return None
+        """Per-expert (k/E)-quantile read off the ``[E, B]`` counts (see the class docstring). [E].
+        All on the device (no host sync); with no token counted the result is meaningless and
+        :meth:`_move_bias` keeps the bias."""
+        m = self.counts[0].sum().double()     # every token adds one r per expert; 0-d, stays on the device
         q = m * self.top_k / self.num_experts
         lo, w = self.bin_range()
         cum = self.counts.cumsum(1)                                             # [E, B]
-        first = (cum < math.ceil(q)).sum(1)                                     # [E] first bin with cum >= ⌈q⌉
+        first = (cum < torch.ceil(q)).sum(1)                                    # [E] first bin with cum >= ⌈q⌉
         h = self.counts.gather(1, first[:, None])[:, 0].double()                # [E] inside the bin
         c = cum.gather(1, first[:, None])[:, 0].double() - h                    # [E] before the bin
         frac = ((q - c) / h.clamp_min(1)).clamp(0, 1)
