@@ -9,7 +9,9 @@ A run folder holds numbered checkpoint folders and a ``latest`` pointer:
 A checkpoint folder:
 
     model.safetensors      weights (``safetensors.torch.save_model``: tied weights handled)
-    optimizer.safetensors  every tensor of the optimizer state, keyed "<param index>.<name>"
+    optimizer.safetensors  every tensor of the optimizer state, keyed "<param index>.<name>" (with
+                           ``param_dtype="bfloat16"`` also each fp32 master weight, "<param index>.master":
+                           :class:`k3lab.precision.MasterWeightOptimizer`)
     rng.safetensors        torch CPU (and CUDA) generator states
     state.json             step, tokens, elapsed, the optimizer's param groups and non-tensor state,
                            python/numpy RNG states, TrainConfig, model config, metric history

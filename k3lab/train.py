@@ -9,6 +9,13 @@ when the model defines it (MoE balancer updates, QK-Clip). ``compile="sublayer"`
 decoder layer's mixer and MLP first (:mod:`k3lab.compile`). The model's ``loss`` is the objective:
 a model adds its own auxiliary/MTP terms into it (``aux_loss`` and ``metrics`` are only logged).
 
+Precision: ``dtype="bfloat16"`` runs forward and backward under bf16 autocast. ``param_dtype="bfloat16"``
+(with bf16 autocast only: :data:`PRECISIONS`) also keeps the model's trainable parameters in bf16 and
+steps fp32 master copies of them (:mod:`k3lab.precision`): the bf16 grads become the masters' fp32
+grads, the clip (and the logged ``grad_norm``) is on those, the optimizer steps the masters, then
+``p ← bf16(master)``. ``fused_loss=True`` sets the model's ``fused_loss`` (K3: the chunked linear
+cross-entropy of :mod:`k3lab.losses`; it changes only float rounding).
+
 Checkpoints (``out_dir/ckpt-00000100/`` plus the ``out_dir/latest`` pointer; safetensors + JSON,
 written atomically, never unpickled) are :mod:`k3lab.checkpoint`'s format, documented there; its
 functions stay importable from here (``from k3lab.train import save_checkpoint, load_checkpoint``).
@@ -37,12 +44,15 @@ from k3lab.checkpoint import (CHECKPOINT_FORMAT, _plain_config, _set_rng_state, 
 from k3lab.compile import COMPILE_MODES, compile_model
 from k3lab.memory import RECOMPUTE_MODES, apply_recompute
 from k3lab.optim import build_optimizer, set_lr
+from k3lab.precision import PARAM_DTYPES, MasterWeightOptimizer, cast_params_
 
 OPTIMIZERS = ("adamw", "muon")
 DTYPES = ("float32", "bfloat16")
+# (dtype, param_dtype) pairs fit runs: bf16 parameters need bf16 autocast (fp32 inputs would meet bf16 weights)
+PRECISIONS = (("float32", "float32"), ("bfloat16", "float32"), ("bfloat16", "bfloat16"))
 # fields whose change alters the trajectory of a resumed run (a warning names them)
 TRAJECTORY_FIELDS = ("steps", "lr", "min_lr_ratio", "warmup_steps", "warmup_frac", "weight_decay", "betas",
-                     "grad_clip", "optimizer", "optimizer_kwargs", "seed", "dtype")
+                     "grad_clip", "optimizer", "optimizer_kwargs", "seed", "dtype", "param_dtype")
 
 
 @dataclass
@@ -67,7 +77,10 @@ class TrainConfig:
     out_dir: str | None = None                # None = write no files
     seed: int = 0                             # torch seed for randomness during training
     device: str = "auto"                      # "auto" | "cpu" | "cuda" | "cuda:N"
-    dtype: str = "float32"                    # "float32" | "bfloat16" (autocast; weights stay fp32)
+    dtype: str = "float32"                    # "float32" | "bfloat16" (autocast; weights as param_dtype)
+    param_dtype: str = "float32"              # PARAM_DTYPES: "float32" = params as the model has them, stepped directly |
+                                              # "bfloat16" = cast to bf16, fp32 master weights (k3lab.precision)
+    fused_loss: bool = False                  # True: set model.fused_loss (K3: chunked linear CE); False: leave it
     compile: str = "none"                     # COMPILE_MODES: "none" (eager) | "sublayer" (k3lab.compile)
     recompute: str = "none"                   # RECOMPUTE_MODES: "none" | "selective" | "sublayer" (k3lab.memory)
     progress: bool = True                     # tqdm progress bar
@@ -95,6 +108,11 @@ class TrainConfig:
         need(self.optimizer in OPTIMIZERS, "optimizer", f"allowed values are {OPTIMIZERS}")
         need(isinstance(self.optimizer_kwargs, dict), "optimizer_kwargs", "must be a dict")
         need(self.dtype in DTYPES, "dtype", f"allowed values are {DTYPES}")
+        need(self.param_dtype in PARAM_DTYPES, "param_dtype", f"allowed values are {PARAM_DTYPES}")
+        need((self.dtype, self.param_dtype) in PRECISIONS, "param_dtype",
+             f"needs TrainConfig.dtype='bfloat16' (bf16 autocast), got TrainConfig.dtype={self.dtype!r}; "
+             f"allowed (dtype, param_dtype) combinations are {PRECISIONS}")
+        need(isinstance(self.fused_loss, bool), "fused_loss", "must be a bool")
         need(self.compile in COMPILE_MODES, "compile", f"allowed values are {COMPILE_MODES}")
         need(self.recompute in RECOMPUTE_MODES, "recompute", f"allowed values are {RECOMPUTE_MODES}")
         need(isinstance(self.device, str) and (self.device in ("auto", "cpu", "cuda")
@@ -191,6 +209,12 @@ def _metric_floats(out) -> dict:
             if isinstance(v, (int, float)) or (isinstance(v, torch.Tensor) and v.numel() == 1)}
 
 
+def _saved_train_config(resume_from: str | os.PathLike) -> dict:
+    """The TrainConfig a checkpoint was written with (state.json), fields it predates at their defaults."""
+    saved = json.loads((resolve_checkpoint(resume_from) / "state.json").read_text()).get("train_config") or {}
+    return {**_plain_config(TrainConfig()), **saved}
+
+
 def fit(model: nn.Module, train_batches, cfg: TrainConfig, val_batches=None,
         resume_from: str | os.PathLike | None = None, stop_at: int | None = None) -> TrainResult:
     """Train ``model`` for ``cfg.steps`` optimizer steps; see the module docstring.
@@ -203,22 +227,39 @@ def fit(model: nn.Module, train_batches, cfg: TrainConfig, val_batches=None,
         optimizer, RNG states, step and history are restored; build the same model first.
     stop_at:       end this call after that many steps (the schedule still spans ``cfg.steps``);
         a later ``fit(..., resume_from=out_dir)`` continues, as after an interruption.
+    ``cfg.param_dtype="bfloat16"`` casts the model's trainable floating parameters to bf16 in place
+    and ``cfg.fused_loss=True`` sets ``model.fused_loss``; both stay so after fit returns. A resume
+    must use the ``param_dtype`` the checkpoint was written with (ValueError otherwise).
     Raises :class:`TrainingDiverged` on a non-finite loss or gradient norm, before that step
     changes the weights; the checkpoints already written are kept.
     """
     device = resolve_device(cfg.device)
+    if cfg.fused_loss:
+        if not hasattr(model, "fused_loss"):
+            raise ValueError(f"TrainConfig.fused_loss=True: {type(model).__name__} has no fused_loss attribute "
+                             "(K3ForCausalLM has); use fused_loss=False for this model")
+        model.fused_loss = True
     model.to(device).train()
+    if cfg.param_dtype != "float32":
+        cast_params_(model, cfg.param_dtype)  # trainable floating params only; buffers stay as the model made them
     apply_recompute(model, cfg.recompute)  # before compiling: the checkpoint wrappers are traced too
     compile_model(model, cfg.compile)  # "sublayer": torch.compile each mixer and MLP in place (same state_dict)
     optimizer = build_optimizer(model, cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay,
                                 betas=cfg.betas, **cfg.optimizer_kwargs)
+    masters = None
+    if cfg.param_dtype != "float32":  # step fp32 masters of the parameters (set_lr and checkpoints see its groups, state)
+        optimizer = masters = MasterWeightOptimizer(model, optimizer)
     torch.manual_seed(cfg.seed)
     step, tokens, elapsed_before, history, checkpoint = 0, 0, 0.0, [], None
     if resume_from is not None:
+        saved_cfg = _saved_train_config(resume_from)
+        if saved_cfg["param_dtype"] != cfg.param_dtype:
+            raise ValueError(f"TrainConfig.param_dtype={cfg.param_dtype!r}: the checkpoint at {resume_from} was "
+                             f"trained with param_dtype={saved_cfg['param_dtype']!r}; resume with that value "
+                             "(the fp32 master weights exist only in a param_dtype='bfloat16' run)")
         state = load_checkpoint(resume_from, model, optimizer)
         checkpoint, plain_cfg = Path(state["path"]), _plain_config(cfg)
-        changed = [k for k in TRAJECTORY_FIELDS
-                   if json.dumps(state["train_config"].get(k)) != json.dumps(plain_cfg[k])]
+        changed = [k for k in TRAJECTORY_FIELDS if json.dumps(saved_cfg.get(k)) != json.dumps(plain_cfg[k])]
         if changed:
             warnings.warn(f"resuming {state['path']} with changed TrainConfig fields {changed}: "
                           "the run will not match an uninterrupted one")
@@ -259,7 +300,9 @@ def fit(model: nn.Module, train_batches, cfg: TrainConfig, val_batches=None,
             grad_norm = math.nan
             if math.isfinite(loss):
                 out.loss.backward()
-                grad_norm = float(nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or math.inf))
+                # param_dtype="bfloat16": the bf16 grads become the masters' fp32 grads; clip and norm on those
+                grads_of = model.parameters() if masters is None else masters.grads_to_masters()
+                grad_norm = float(nn.utils.clip_grad_norm_(grads_of, cfg.grad_clip or math.inf))
             if not (math.isfinite(loss) and math.isfinite(grad_norm)):
                 optimizer.zero_grad(set_to_none=True)
                 raise TrainingDiverged(

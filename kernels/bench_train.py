@@ -6,7 +6,8 @@
     python kernels/bench_train.py --device cpu --configs tiny-2x64 --steps 2 --warmup 1   # CPU smoke test
 
 A config is ``MODEL-BxT`` (batch B of T tokens, synthetic random token ids, no downloads), optionally
-with per-config settings that override the command line's, e.g. ``small-16x1024@compile=sublayer,recompute=selective,fused_loss=on``:
+with per-config settings that override the command line's, e.g.
+``small-16x1024@compile=sublayer,recompute=selective,fused_loss=on,param_dtype=bfloat16``:
 
 * ``small``      the ``small`` preset (hybrid KDA + Gated MLA, LatentMoE, Attention Residuals);
 * ``kda-anchor`` a pure-KDA dense k3lab model shaped like fla's anchor: 24 layers, D = 1024, 8 KDA heads
@@ -19,18 +20,20 @@ with per-config settings that override the command line's, e.g. ``small-16x1024@
 Defaults: ``small-16x1024 small-8x4096 kda-anchor-8x4096 fla-kda-anchor-8x4096``.
 
 Every config trains in a fresh process (so no memory, compile cache or autotuning state carries over)
-through ``k3lab.train.fit`` — the trainer itself: bf16 autocast with fp32 weights (``--dtype``), grad-norm
-clip 1.0, ``--optimizer`` from ``k3lab.optim.build_optimizer`` (the same for fla's model), ``--compile``
-(``TrainConfig.compile``; k3lab models only), ``model.fused_loss = True`` with ``--fused-loss`` where
-the model has that attribute. Steps: 1 first step (compilation, autotuning: "first step s"), ``--warmup``
-untimed steps, then ``--steps`` timed ones; ms/step is the median over the timed steps of fit's own
-per-step clock (each step syncs on its loss). tokens/s = B·T / step time. MFU = 6 · active parameters ·
-tokens/s ÷ ``--peak-flops`` (default 790e12: the bf16 dense matmul rate measured on an H200); active
-parameters exclude the input embedding and include the LM head (k3lab: ``cfg.param_counts()["active"]``,
-routed experts counted at top-k; fla: all parameters but the embedding); attention/KDA mixing FLOPs are
-not counted. Peak memory is ``torch.cuda.max_memory_allocated`` (on CPU: the process's max RSS). "loss" is
-the training loss of the last step (random tokens: ≈ ln(vocab) is all there is to learn). An out-of-memory
-error ends that config's row as "OOM"; any other error as "error: ...".
+through ``k3lab.train.fit`` — the trainer itself: bf16 autocast (``--dtype``) with fp32 weights, or bf16
+weights and fp32 master weights with ``--param-dtype bfloat16`` (``TrainConfig.param_dtype``, k3lab models;
+needs ``--dtype bfloat16``), grad-norm clip 1.0, ``--optimizer`` from ``k3lab.optim.build_optimizer`` (the
+same for fla's model), ``--compile`` (``TrainConfig.compile``; k3lab models only),
+``TrainConfig.fused_loss`` with ``--fused-loss`` (k3lab models; fla's model always fuses its loss). Steps: 1
+first step (compilation, autotuning: "first step s"), ``--warmup`` untimed steps, then ``--steps`` timed
+ones; ms/step is the median over the timed steps of fit's own per-step clock (each step syncs on its loss).
+tokens/s = B·T / step time. MFU = 6 · active parameters · tokens/s ÷ ``--peak-flops`` (default 790e12: the
+bf16 dense matmul rate measured on an H200); active parameters exclude the input embedding and include the
+LM head (k3lab: ``cfg.param_counts()["active"]``, routed experts counted at top-k; fla: all parameters but
+the embedding); attention/KDA mixing FLOPs are not counted. Peak memory is
+``torch.cuda.max_memory_allocated`` (on CPU: the process's max RSS). "loss" is the training loss of the last
+step (random tokens: ≈ ln(vocab) is all there is to learn). An out-of-memory error ends that config's row as
+"OOM"; any other error as "error: ...".
 
 fla autotunes its Triton kernels on first use (minutes on an H200): unpack its autotune cache into
 ``TRITON_CACHE_DIR`` before running (``kernels/fla060-triton36-h200-autotune.tgz`` holds the chunk-KDA
@@ -75,6 +78,8 @@ if ROOT not in sys.path:  # run as a script from anywhere: the repo's k3lab firs
 
 from k3lab.compile import COMPILE_MODES  # noqa: E402
 from k3lab.memory import RECOMPUTE_MODES  # noqa: E402
+from k3lab.precision import PARAM_DTYPES  # noqa: E402
+from k3lab.train import PRECISIONS  # noqa: E402
 
 MODELS = ("small", "kda-anchor", "fla-kda-anchor", "tiny")
 DEFAULT_CONFIGS = ("small-16x1024", "small-8x4096", "kda-anchor-8x4096", "fla-kda-anchor-8x4096")
@@ -91,18 +96,20 @@ class Spec:
     model: str
     B: int
     T: int
-    options: tuple = ()  # ((key, value), ...) from "@key=value,...": overrides of --compile/--recompute/--fused-loss
+    options: tuple = ()  # ((key, value), ...) from "@key=value,...": overrides of the same-named command-line options
 
     def option(self, key: str, default):
         return dict(self.options).get(key, default)
 
 
-OPTIONS = {"compile": COMPILE_MODES, "recompute": RECOMPUTE_MODES, "fused_loss": ("on", "off")}
+OPTIONS = {"compile": COMPILE_MODES, "recompute": RECOMPUTE_MODES, "fused_loss": ("on", "off"),
+           "param_dtype": PARAM_DTYPES}
 
 
 def parse_config(name: str) -> Spec:
     """``MODEL-BxT[@key=value,...]`` -> Spec; ValueError naming the allowed forms otherwise. The options
-    (:data:`OPTIONS`: compile, recompute, fused_loss) override the command-line settings for this config."""
+    (:data:`OPTIONS`: compile, recompute, fused_loss, param_dtype) override the command-line settings for
+    this config (fla's model ignores them: its row shows what it ran with)."""
     m = re.fullmatch(r"(.+?)-(\d+)x(\d+)(?:@(.+))?", name)
     if m is None or m.group(1) not in MODELS or int(m.group(2)) < 1 or int(m.group(3)) < 2:
         raise ValueError(f"config {name!r}: must be MODEL-BxT[@key=value,...] with MODEL in {MODELS}, B >= 1, "
@@ -199,6 +206,7 @@ def run_config(spec: Spec, args) -> dict:
         row["triton"] = triton.__version__
     except ImportError:
         pass
+    fused_loss = not is_fla and spec.option("fused_loss", "on" if args.fused_loss else "off") == "on"
     if is_fla:
         if device.type != "cuda":
             return dict(row, status="skipped: fla's kernels need CUDA")
@@ -213,15 +221,10 @@ def run_config(spec: Spec, args) -> dict:
     try:
         model, active, total = build_model(spec, args, device)
         row.update(params_active=active, params_total=total)
+        param_dtype = "float32" if is_fla else spec.option("param_dtype", args.param_dtype)
         if not is_fla:
-            row["weights"] = "float32"
-            row["fused_loss"] = "off"
-            if spec.option("fused_loss", "on" if args.fused_loss else "off") == "on":
-                if hasattr(model, "fused_loss"):
-                    model.fused_loss = True
-                    row["fused_loss"] = "on"
-                else:
-                    row["fused_loss"] = "n/a (model has no fused_loss)"
+            row["weights"] = param_dtype + (" (fp32 master)" if param_dtype != "float32" else "")
+            row["fused_loss"] = "on" if fused_loss else "off"
         vocab = model.config.vocab_size
         gen = torch.Generator(device=device).manual_seed(1)
 
@@ -237,8 +240,8 @@ def run_config(spec: Spec, args) -> dict:
         steps = 1 + args.warmup + args.steps
         dtype = "float32" if is_fla and args.fla_weights == "bfloat16" else args.dtype
         cfg = TrainConfig(steps=steps, lr=1e-3, warmup_steps=0, optimizer=args.optimizer, device=str(device),
-                          dtype=dtype, compile=row["compile"], recompute=row["recompute"], progress=False,
-                          name=spec.name)
+                          dtype=dtype, param_dtype=param_dtype, fused_loss=fused_loss, compile=row["compile"],
+                          recompute=row["recompute"], progress=False, name=spec.name)
         t0 = time.perf_counter()
         try:
             result = fit(model, batches, cfg)
@@ -279,15 +282,15 @@ def _millions(n: int) -> str:
 
 def markdown_table(rows: list[dict]) -> str:
     """The rows as a markdown table (a status instead of numbers where a config was skipped or failed)."""
-    head = ("| config | model | compile | recompute | fused loss | active / total params | ms/step | tokens/s | MFU | "
-            "peak GiB | first step s | loss (first → last) | status |")
+    head = ("| config | model | compile | recompute | fused loss | weights | active / total params | ms/step | tokens/s | "
+            "MFU | peak GiB | first step s | loss (first → last) | status |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         params = f"{_millions(r['params_active'])} / {_millions(r['params_total'])}" if "params_active" in r else "–"
         loss = f"{_fmt(r.get('loss_first'), '.3f')} → {_fmt(r.get('loss'), '.3f')}" if "loss" in r else "–"
         lines.append("| " + " | ".join([
             r["config"].split("@")[0], r.get("model", "?"), r.get("compile", "–"), r.get("recompute", "–"),
-            r.get("fused_loss", "–"), params,
+            r.get("fused_loss", "–"), r.get("weights", "–"), params,
             _fmt(r.get("ms_per_step"), ".1f"), _fmt(r.get("tokens_per_s"), ",.0f"),
             _fmt(r.get("mfu"), ".1f", 100) + ("%" if "mfu" in r else ""), _fmt(r.get("peak_mem_gib"), ".1f"),
             _fmt(r.get("first_step_s"), ".1f"), loss, r.get("status", "?")]) + " |")
@@ -307,7 +310,7 @@ def child_command(name: str, out: str, args) -> list[str]:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", name, "--child-out", out,
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--dtype", args.dtype,
            "--optimizer", args.optimizer, "--compile", args.compile, "--recompute", args.recompute,
-           "--device", args.device,
+           "--param-dtype", args.param_dtype, "--device", args.device,
            "--peak-flops", repr(args.peak_flops), "--fla-weights", args.fla_weights]
     return cmd + (["--fused-loss"] if args.fused_loss else [])
 
@@ -336,14 +339,17 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=10, help="timed steps (default %(default)s)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps after the first one (default %(default)s)")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
-                        help="k3lab: autocast dtype, weights stay fp32 (default %(default)s)")
+                        help="k3lab: autocast dtype (TrainConfig.dtype; default %(default)s)")
     parser.add_argument("--optimizer", default="adamw", choices=("adamw", "muon"))
     parser.add_argument("--compile", default="none", choices=COMPILE_MODES,
                         help="TrainConfig.compile for the k3lab configs (default %(default)s)")
     parser.add_argument("--recompute", default="none", choices=RECOMPUTE_MODES,
                         help="TrainConfig.recompute for the k3lab configs (k3lab.memory; default %(default)s)")
+    parser.add_argument("--param-dtype", default="float32", choices=PARAM_DTYPES,
+                        help="k3lab: weight dtype (TrainConfig.param_dtype): bfloat16 = bf16 weights with fp32 master "
+                             "weights, needs --dtype bfloat16 (default %(default)s)")
     parser.add_argument("--fused-loss", action="store_true",
-                        help="set model.fused_loss = True where a k3lab model has the attribute")
+                        help="TrainConfig.fused_loss = True for the k3lab configs (chunked linear cross-entropy)")
     parser.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
     parser.add_argument("--peak-flops", type=float, default=PEAK_FLOPS,
                         help="the FLOP/s that MFU divides by (default 790e12: H200 bf16 dense, measured)")
@@ -363,6 +369,11 @@ def main(argv=None):
         specs = [parse_config(name) for name in ([args.child] if args.child else args.configs)]
     except ValueError as err:
         parser.error(str(err))
+    for spec in specs:  # fit's rule (k3lab.train.PRECISIONS), checked before any child starts
+        pair = (args.dtype, spec.option("param_dtype", args.param_dtype))
+        if spec.model != "fla-kda-anchor" and pair not in PRECISIONS:
+            parser.error(f"config {spec.name!r}: param_dtype={pair[1]!r} needs --dtype bfloat16, got --dtype {pair[0]!r} "
+                         f"(allowed (dtype, param_dtype) combinations: {PRECISIONS})")
 
     if args.child:  # one config, in this fresh process
         row = run_config(specs[0], args)
@@ -377,7 +388,8 @@ def main(argv=None):
     for spec in specs:
         print(f"== {spec.name}: {1 + args.warmup + args.steps} steps (1 first, {args.warmup} warm-up, {args.steps} timed), "
               f"dtype {args.dtype}, {args.optimizer}, compile {spec.option('compile', args.compile)}, "
-              f"recompute {spec.option('recompute', args.recompute)}", flush=True)
+              f"recompute {spec.option('recompute', args.recompute)}, "
+              f"param_dtype {spec.option('param_dtype', args.param_dtype)}", flush=True)
         if spec.model == "fla-kda-anchor" and (args.device == "cpu" or importlib.util.find_spec("fla") is None):
             row = dict(config=spec.name, model="fla", B=spec.B, T=spec.T, compile="none",
                        status="skipped: fla's kernels need CUDA" if args.device == "cpu" else

@@ -6,8 +6,10 @@ and the kernels and ops that take it (torch profiler). Used to explain notebook 
     python kernels/profile_train_step.py --preset kda-anchor --batch-size 8 --seq-len 4096 --compile sublayer
 
 Same step as ``k3lab.train.fit`` (bf16 autocast, clip, optimizer step, ``after_optimizer_step``), on
-random token ids. Prints: ms per step (median of the timed steps), the share of it the GPU was busy,
-the GPU time by kind of kernel (:data:`KINDS`), the top CUDA kernels, and the top CPU-side ops by self time.
+random token ids. ``--param-dtype bfloat16``: bf16 weights with fp32 master weights, as fit's
+``param_dtype="bfloat16"`` (:class:`k3lab.precision.MasterWeightOptimizer`: grads into the masters, clip
+those, step, copy back). Prints: ms per step (median of the timed steps), the share of it the GPU was
+busy, the GPU time by kind of kernel (:data:`KINDS`), the top CUDA kernels, and the top CPU-side ops by self time.
 ``--saved``: also what one forward keeps for backward, by module class and dtype (:func:`saved_bytes`: an
 eager copy of the model with the same recompute mode, storages counted once, attributed to the innermost
 module running when autograd saved them; tensors a checkpointed region recomputes are not counted).
@@ -29,6 +31,7 @@ from k3lab.config import ModelConfig
 from k3lab.memory import RECOMPUTE_MODES, apply_recompute
 from k3lab.model import K3ForCausalLM
 from k3lab.optim import build_optimizer
+from k3lab.precision import PARAM_DTYPES, MasterWeightOptimizer, cast_params_
 
 KINDS = [  # (kind, regex on the CUDA kernel name), first match wins
     ("our KDA kernels (Triton)", r"^kda_"),
@@ -108,6 +111,8 @@ def print_live(step_forward, dev, tokens: int, top: int) -> None:
 def print_saved(cfg, args, dev, x) -> None:
     model = K3ForCausalLM(cfg).to(dev).train()
     model.fused_loss = args.fused_loss
+    if args.param_dtype != "float32":
+        cast_params_(model, args.param_dtype)
     apply_recompute(model, args.recompute)
     saved, total = saved_bytes(model, x)
     tokens = x.numel()
@@ -131,6 +136,8 @@ def main():
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--optimizer", default="adamw", choices=("adamw", "muon"))
+    parser.add_argument("--param-dtype", default="float32", choices=PARAM_DTYPES,
+                        help="bfloat16: bf16 weights with fp32 master weights (TrainConfig.param_dtype)")
     parser.add_argument("--steps", type=int, default=5, help="timed steps (after 3 warm-up steps)")
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a smoke test only")
@@ -150,16 +157,21 @@ def main():
         cfg = ModelConfig.preset(args.preset)
     model = K3ForCausalLM(cfg).to(dev).train()
     model.fused_loss = args.fused_loss
+    if args.param_dtype != "float32":
+        cast_params_(model, args.param_dtype)  # as fit: before recompute and compile
     apply_recompute(model, args.recompute)
     compile_model(model, args.compile)
     opt = build_optimizer(model, args.optimizer, lr=1e-3, weight_decay=0.1)
+    if args.param_dtype != "float32":
+        opt = MasterWeightOptimizer(model, opt)
     x = torch.randint(0, cfg.vocab_size, (args.batch_size, args.seq_len), device=dev)
 
     def step():
         with torch.autocast(dev.type, dtype=torch.bfloat16):
             out = model(x, labels=x)
         out.loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        grads_of = opt.grads_to_masters() if isinstance(opt, MasterWeightOptimizer) else model.parameters()
+        torch.nn.utils.clip_grad_norm_(grads_of, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         model.after_optimizer_step()
@@ -194,8 +206,8 @@ def main():
     busy = sum(gpu.values())
     peak = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else float("nan")
     print(f"{args.preset} {args.optimizer} B{args.batch_size} T{args.seq_len} compile={args.compile} "
-          f"recompute={args.recompute} fused_loss={args.fused_loss}: peak {peak:.1f} GiB, {ms:.1f} ms/step, "
-          f"{tokens / ms * 1e3:,.0f} tokens/s, {flops / ms / 1e9:.0f} TFLOP/s (6N), GPU busy {busy:.1f} ms "
+          f"recompute={args.recompute} fused_loss={args.fused_loss} param_dtype={args.param_dtype}: peak {peak:.1f} GiB, "
+          f"{ms:.1f} ms/step, {tokens / ms * 1e3:,.0f} tokens/s, {flops / ms / 1e9:.0f} TFLOP/s (6N), GPU busy {busy:.1f} ms "
           f"({100 * busy / ms:.0f}% of the step)")
     kinds = {}
     for name, t in gpu.items():

@@ -36,6 +36,37 @@ def test_config_names():
         bench.parse_config("small-16x1024@recompute=all")
 
 
+def test_param_dtype_option():
+    bench = load_bench()
+    spec = bench.parse_config("tiny-2x8@param_dtype=bfloat16,fused_loss=on")
+    assert spec.option("param_dtype", "float32") == "bfloat16" and spec.option("fused_loss", "off") == "on"
+    with pytest.raises(ValueError, match="option 'param_dtype=float16'.*param_dtype=float32|bfloat16"):
+        bench.parse_config("tiny-2x8@param_dtype=float16")
+
+
+@pytest.mark.parametrize("argv", [["--configs", "tiny-2x8@param_dtype=bfloat16"],
+                                  ["--configs", "tiny-2x8", "--param-dtype", "bfloat16"]])
+def test_bf16_params_need_bf16_autocast(argv, capsys):
+    with pytest.raises(SystemExit):
+        load_bench().main(argv + ["--dtype", "float32", "--device", "cpu"])
+    assert "param_dtype='bfloat16' needs --dtype bfloat16" in capsys.readouterr().err
+
+
+def test_run_config_bf16_params_and_fused_loss_through_train_config():
+    """One config in this process (no child): bf16 weights with fp32 masters and the fused loss, via TrainConfig."""
+    import argparse
+
+    bench = load_bench()
+    args = argparse.Namespace(device="cpu", dtype="bfloat16", param_dtype="float32", optimizer="adamw", compile="none",
+                              recompute="none", fused_loss=False, steps=1, warmup=0, peak_flops=bench.PEAK_FLOPS,
+                              fla_weights="bfloat16")
+    row = bench.run_config(bench.parse_config("tiny-1x8@param_dtype=bfloat16,fused_loss=on"), args)
+    assert row["status"] == "ok", row["status"]
+    assert row["weights"] == "bfloat16 (fp32 master)" and row["fused_loss"] == "on"
+    assert math.isfinite(row["loss"]) and row["steps_timed"] == 1
+    assert "| bfloat16 (fp32 master) |" in bench.markdown_table([row])
+
+
 def test_anchor_config_is_pure_kda_dense():
     cfg = load_bench().k3lab_config("kda-anchor")
     assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.kda_heads, cfg.kda_head_dim, cfg.vocab_size) == \

@@ -8,6 +8,7 @@ from torch import nn
 
 from k3lab.checkpoint import load_checkpoint, read_latest, resolve_checkpoint, save_checkpoint
 from k3lab.optim import build_optimizer
+from k3lab.precision import MasterWeightOptimizer, cast_params_
 
 
 def tiny_model(seed=0):
@@ -43,6 +44,31 @@ def test_round_trip_restores_weights_and_optimizer(tmp_path, optimizer):
     for index, entries in want["state"].items():
         for name, value in entries.items():
             assert torch.equal(value, got["state"][index][name]), (index, name)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_round_trip_restores_fp32_masters(tmp_path, optimizer):
+    """bf16 parameters + fp32 masters: the masters go into optimizer.safetensors and come back exactly."""
+    def bf16_model(seed):
+        model = tiny_model(seed)
+        cast_params_(model, "bfloat16")
+        return model, MasterWeightOptimizer(model, build_optimizer(model, optimizer, lr=1e-2))
+
+    model, opt = bf16_model(0)
+    x = torch.randint(0, 32, (4, 6), generator=torch.Generator().manual_seed(1))
+    for _ in range(3):
+        nn.functional.cross_entropy(model(x).flatten(0, 1).float(), x.flatten()).backward()
+        opt.grads_to_masters()
+        opt.step()
+        opt.zero_grad()
+    save_checkpoint(tmp_path, model, opt, dict(step=3))
+    fresh, fresh_opt = bf16_model(1)
+    load_checkpoint(tmp_path, fresh, fresh_opt)
+    for a, b in zip(opt.masters, fresh_opt.masters):
+        assert a.dtype == torch.float32 and torch.equal(a, b)
+    for (name, a), b in zip(model.state_dict().items(), fresh.state_dict().values()):
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    assert opt.state_dict()["param_groups"] == fresh_opt.state_dict()["param_groups"]
 
 
 def test_keep_prunes_to_newest(tmp_path):

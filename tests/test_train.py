@@ -102,6 +102,54 @@ def test_resume_in_fresh_process_is_bitwise_identical(tmp_path, optimizer):
     assert [json.loads(line)["step"] for line in lines] == list(range(1, 21))
 
 
+def k3_bf16_run(steps=6, stop_at=None, out_dir=None, resume_from=None, optimizer="adamw"):
+    """The tiny preset cut to 2 layers (KDA + Gated MLA, LatentMoE, QK-Clip) with bf16 params + fp32 masters."""
+    from k3lab.config import ModelConfig
+    from k3lab.model import K3ForCausalLM
+
+    torch.manual_seed(0)
+    model = K3ForCausalLM(ModelConfig.preset("tiny").replace(vocab_size=V, num_hidden_layers=2, full_attn_layers=[2]))
+    cfg = TrainConfig(steps=steps, lr=1e-2, warmup_steps=1, device="cpu", progress=False, dtype="bfloat16",
+                      param_dtype="bfloat16", optimizer=optimizer, out_dir=str(out_dir))
+    return model, fit(model, batch_iterator(STREAM, B, T, seed=1), cfg, resume_from=resume_from, stop_at=stop_at)
+
+
+K3_RESUME_SCRIPT = """
+import json, sys
+sys.path.insert(0, {tests!r})
+from test_train import k3_bf16_run
+model, result = k3_bf16_run(steps=6, out_dir={out!r}, resume_from={out!r}, optimizer={opt!r})
+print(json.dumps([r["loss"] for r in result.history]))
+"""
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_bf16_params_resume_in_fresh_process_is_bitwise_identical(tmp_path, optimizer):
+    """param_dtype="bfloat16": 6 steps = 3 steps + resume (fresh process) + 3 steps, losses, bf16 weights,
+    fp32 masters and optimizer state bit for bit (the masters travel in optimizer.safetensors)."""
+    from safetensors.torch import load_file
+
+    _, full = k3_bf16_run(out_dir=tmp_path / "full", optimizer=optimizer)
+    _, first = k3_bf16_run(stop_at=3, out_dir=tmp_path / "half", optimizer=optimizer)
+    assert first.step == 3 and "0.master" in load_file(str(first.checkpoint / "optimizer.safetensors"))
+    script = K3_RESUME_SCRIPT.format(tests=str(Path(__file__).parent), out=str(tmp_path / "half"), opt=optimizer)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == [r["loss"] for r in full.history]
+    for name in ("model.safetensors", "optimizer.safetensors"):
+        want = load_file(str(tmp_path / "full" / "ckpt-00000006" / name))
+        got = load_file(str(tmp_path / "half" / "ckpt-00000006" / name))
+        assert want.keys() == got.keys()
+        assert all(torch.equal(want[k], got[k]) for k in want), name
+    assert {t.dtype for k, t in want.items() if k.endswith(".master")} == {torch.float32}
+
+
+def test_resume_with_another_param_dtype_is_refused(tmp_path):
+    tiny_run(steps=4, stop_at=2, out_dir=tmp_path)
+    with pytest.raises(ValueError, match=r"TrainConfig\.param_dtype='bfloat16': the checkpoint .* param_dtype='float32'"):
+        tiny_run(steps=4, out_dir=tmp_path, resume_from=tmp_path, dtype="bfloat16", param_dtype="bfloat16")
+
+
 def test_nan_stops_and_keeps_last_good_checkpoint(tmp_path):
     with pytest.raises(TrainingDiverged, match="non-finite loss .* at step 5") as err:
         tiny_run(steps=20, out_dir=tmp_path, checkpoint_every=2, nan_at_call=5)
@@ -113,6 +161,11 @@ def test_nan_stops_and_keeps_last_good_checkpoint(tmp_path):
     assert state["step"] == 4
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 4
+
+
+def test_nan_stops_with_bf16_params():
+    with pytest.raises(TrainingDiverged, match="non-finite loss .* at step 3"):
+        tiny_run(steps=6, nan_at_call=3, dtype="bfloat16", param_dtype="bfloat16")
 
 
 class Boom:
@@ -160,6 +213,9 @@ def test_adamw_groups_no_decay_on_norms_and_biases():
     (dict(device="tpu"), "device"),
     (dict(min_lr_ratio=2.0), "min_lr_ratio"),
     (dict(eval_every=-1), "eval_every"),
+    (dict(param_dtype="float16"), "param_dtype"),
+    (dict(param_dtype="bfloat16", dtype="float32"), "param_dtype"),
+    (dict(fused_loss=1), "fused_loss"),
 ])
 def test_bad_train_config_names_the_field(kwargs, field):
     with pytest.raises(ValueError, match=rf"TrainConfig\.{field}="):

@@ -1,0 +1,204 @@
+"""Low-precision parameters with fp32 master weights (``TrainConfig.param_dtype="bfloat16"``).
+
+The model holds its trainable floating parameters ``p`` in bf16 (forward and backward run on them
+directly, under bf16 autocast); the optimizer holds an fp32 **master** copy ``w`` of each and steps
+that. One training step, for every trainable parameter::
+
+    g   = ∂loss/∂p                            bf16, from backward on the bf16 model
+    G   = float32(g)                          exact (every bf16 value is an fp32 value); g is freed
+    c   = min(1, τ / ‖(G_1, …, G_n)‖₂)        global grad-norm clip on the fp32 master grads (τ = grad_clip)
+    w   ← OptimizerStep(w, c·G)               AdamW (fused or not) or Muon, state in fp32, on the masters
+    p   ← bf16(w)                             round to nearest even
+
+Without masters an update ``Δ`` smaller than half a bf16 ulp of ``p`` (``|Δ| < 2⁻⁹·|p|``, e.g. a step
+of 1e-3 against a weight of 1) rounds away every step and the weight never moves; with masters ``w``
+accumulates it and ``p`` moves once the sum crosses the rounding boundary. ``p = bf16(w)`` holds after
+every step: ``p`` and ``w`` differ by at most half a bf16 ulp of ``w``.
+
+Bytes per trainable parameter, beside the optimizer state (AdamW: 8, fp32 moments; Muon: 4, fp32
+momentum, on its matrices), which is the same in both cases::
+
+                                      between steps     end of backward          optimizer step
+    param_dtype="float32"             p 4               p 4 + g 4 = 8            8
+    param_dtype="bfloat16"            p 2 + w 4 = 6     p 2 + g 2 + w 4 = 8      p 2 + w 4 + G 4 = 10
+
+(``G`` replaces ``g`` one parameter at a time, so the step peaks at 10, not 12.) float32 parameters under
+bf16 autocast also hold a bf16 copy of every weight during forward and backward (+2, autocast's cast,
+kept for backward), which bf16 parameters do not need. So the parameter side costs about the same;
+what bf16 parameters save is that per-step cast of every weight (a 4 B read and a 2 B write per
+parameter) and, in a distributed run, half the bytes of every gradient reduced.
+
+Updates made to the bf16 parameters outside the optimizer (QK-Clip rescales MLA rows in
+``model.after_optimizer_step()``) are taken into the masters: a parameter whose in-place version
+counter changed since the copy-back gets ``w ← float32(p)`` where ``p ≠ bf16(w)`` (only the changed
+elements lose their sub-ulp part); this runs before the next step and before ``state_dict()``.
+
+Checkpoints: ``state_dict()`` is the wrapped optimizer's, with each parameter's master added to its
+state under ``"master"`` (so :mod:`k3lab.checkpoint` writes it into ``optimizer.safetensors``);
+``load_state_dict()`` restores the masters exactly and copies ``bf16(w)`` into the model, so a resumed
+run continues bit for bit.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+PARAM_DTYPES = ("float32", "bfloat16")  # TrainConfig.param_dtype: "bfloat16" = bf16 params + fp32 masters
+MASTER_KEY = "master"                    # the masters' key in each parameter's optimizer state
+
+__all__ = ["PARAM_DTYPES", "MASTER_KEY", "cast_params_", "MasterWeightOptimizer"]
+
+
+def cast_params_(model: nn.Module, dtype: str = "bfloat16") -> int:
+    """Cast every trainable floating parameter of ``model`` to ``dtype`` in place (``p.data``: the
+    Parameter objects, ties and hooks stay); returns how many were cast.
+
+    Buffers and parameters with ``requires_grad=False`` (the router's fp32 ``e_score_correction_bias``)
+    keep the dtype the model gave them. ValueError when ``dtype`` is not in :data:`PARAM_DTYPES` or
+    the model has no trainable floating parameter.
+    """
+    if dtype not in PARAM_DTYPES:
+        raise ValueError(f"cast_params_: dtype={dtype!r}: allowed values are {PARAM_DTYPES}")
+    target = getattr(torch, dtype)
+    params = [p for p in model.parameters() if p.requires_grad and p.is_floating_point()]
+    if not params:
+        raise ValueError(f"TrainConfig.param_dtype={dtype!r}: {type(model).__name__} has no trainable floating "
+                         "parameter to cast")
+    for p in params:
+        p.data = p.data.to(target)
+    return len(params)
+
+
+class MasterWeightOptimizer:
+    """An optimizer over fp32 master copies of a model's (bf16) parameters; see the module docstring.
+
+        optimizer = MasterWeightOptimizer(model, build_optimizer(model, "muon", lr=...))
+        loss.backward()
+        masters = optimizer.grads_to_masters()       # fp32 grads on the masters, the bf16 grads freed
+        nn.utils.clip_grad_norm_(masters, 1.0)      # clip (and log) on the fp32 grads
+        optimizer.step()                            # step the masters, then p <- bf16(master)
+        optimizer.zero_grad(set_to_none=True)
+
+    ``optimizer`` is built over the model's parameters (so :func:`k3lab.optim.build_optimizer`'s
+    grouping rules apply unchanged) and must not have stepped yet; each parameter in its
+    ``param_groups`` is replaced, in place, by its master (matched by identity, so per-parameter
+    lists such as Muon's ``heads`` stay aligned). ``param_groups`` and ``state`` are the wrapped
+    optimizer's (``k3lab.optim.set_lr`` works on them). ``masters`` lists the masters in the
+    model's ``parameters()`` order (trainable parameters only).
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
+        if optimizer.state:
+            raise ValueError("MasterWeightOptimizer: wrap the optimizer before its first step (it already has state)")
+        if isinstance(optimizer, MasterWeightOptimizer):
+            raise ValueError("MasterWeightOptimizer: the optimizer is already wrapped")
+        in_groups = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        self.optimizer = optimizer
+        self.params: list[nn.Parameter] = [p for p in model.parameters() if id(p) in in_groups]
+        if len(self.params) != len(in_groups):
+            raise ValueError(f"MasterWeightOptimizer: {len(in_groups) - len(self.params)} optimizer parameters "
+                             "are not parameters of the model")
+        if any(not p.is_floating_point() for p in self.params):
+            raise ValueError("MasterWeightOptimizer: every optimized parameter must be floating point")
+        self.masters: list[Tensor] = [p.detach().to(torch.float32, copy=True) for p in self.params]
+        master_of = {id(p): w for p, w in zip(self.params, self.masters)}
+        for g in optimizer.param_groups:
+            g["params"] = [master_of[id(p)] for p in g["params"]]
+        self._versions = [p._version for p in self.params]
+
+    # -- the torch.optim.Optimizer surface that k3lab uses -----------------------------------------
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    def __repr__(self) -> str:
+        return f"MasterWeightOptimizer(fp32 masters of {len(self.params)} parameters, {self.optimizer!r})"
+
+    # -- the step -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def sync_from_params(self) -> int:
+        """Take updates made to the model's parameters outside :meth:`step` into the masters:
+        ``w ← float32(p)`` where ``p ≠ bf16(w)``, for the parameters whose version counter changed
+        since the last copy-back (QK-Clip). Returns how many parameters were looked at."""
+        changed = 0
+        for i, (p, w) in enumerate(zip(self.params, self.masters)):
+            if p._version != self._versions[i]:
+                w.copy_(torch.where(p != w.to(p.dtype), p.float(), w))
+                self._versions[i] = p._version
+                changed += 1
+        return changed
+
+    @torch.no_grad()
+    def grads_to_masters(self) -> list[Tensor]:
+        """``w.grad = float32(p.grad)`` for every parameter (None where ``p.grad`` is None), freeing
+        ``p.grad``; returns :attr:`masters` (pass them to the grad-norm clip)."""
+        self.sync_from_params()
+        for p, w in zip(self.params, self.masters):
+            w.grad = None if p.grad is None else p.grad.float()
+            p.grad = None
+        return self.masters
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Step the masters with the wrapped optimizer, then copy ``bf16(w)`` into the parameters.
+        RuntimeError if a parameter still holds a gradient (call :meth:`grads_to_masters` first)."""
+        if closure is not None:
+            raise ValueError("MasterWeightOptimizer.step: closures are not supported")
+        if any(p.grad is not None for p in self.params):
+            raise RuntimeError("MasterWeightOptimizer.step: the model's parameters still hold their gradients; "
+                               "call grads_to_masters() (and clip the masters' grads) before step()")
+        self.optimizer.step()
+        self._copy_to_params()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the masters' and the parameters' gradients."""
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+        for p in self.params:
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+
+    @torch.no_grad()
+    def _copy_to_params(self) -> None:
+        for p, w in zip(self.params, self.masters):
+            p.copy_(w)  # fp32 -> the parameter's dtype: round to nearest even
+        self._versions = [p._version for p in self.params]
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """The wrapped optimizer's state_dict, each parameter's state with its fp32 master under
+        :data:`MASTER_KEY` (every parameter has one, stepped or not)."""
+        self.sync_from_params()
+        sd = self.optimizer.state_dict()
+        index = {id(w): i for i, w in enumerate(w for g in self.optimizer.param_groups for w in g["params"])}
+        state = {k: dict(v) for k, v in sd["state"].items()}
+        for w in self.masters:
+            state.setdefault(index[id(w)], {})[MASTER_KEY] = w  # a reference, as torch's own state tensors
+        return {"state": state, "param_groups": sd["param_groups"]}
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore the masters (exactly) and the wrapped optimizer's state; copy ``bf16(w)`` into the
+        parameters. ValueError when a parameter's master is missing (a checkpoint written with
+        ``param_dtype="float32"``) or has the wrong shape."""
+        flat = [w for g in self.optimizer.param_groups for w in g["params"]]
+        state = {int(k): dict(v) for k, v in state_dict["state"].items()}
+        missing = [i for i in range(len(flat)) if MASTER_KEY not in state.get(i, {})]
+        if missing:
+            raise ValueError(f"MasterWeightOptimizer.load_state_dict: no fp32 master ({MASTER_KEY!r}) for parameters "
+                             f"{missing[:8]}{'...' if len(missing) > 8 else ''}: the state was not saved with master "
+                             "weights (TrainConfig.param_dtype='float32'?); resume with the param_dtype it was saved with")
+        for i, w in enumerate(flat):
+            master = state[i].pop(MASTER_KEY)
+            if master.shape != w.shape:
+                raise ValueError(f"MasterWeightOptimizer.load_state_dict: master {i} has shape {tuple(master.shape)}, "
+                                 f"the parameter {tuple(w.shape)}")
+            w.copy_(master)
+        self.optimizer.load_state_dict({"state": {i: s for i, s in state.items() if s},
+                                        "param_groups": state_dict["param_groups"]})
+        self._copy_to_params()
