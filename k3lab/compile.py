@@ -14,7 +14,10 @@ recompile limit. The sublayers take and return tensors (and a cache dataclass).
 Between the sublayers, the Attention-Residuals depth mix (:func:`k3lab.residual.attn_res`, a pure
 function over a list of ``S`` source tensors) is compiled too (``K3Model.attn_res_fn``): eager it is
 about ten fp32 passes over ``[S, B, T, D]`` per call, compiled one fused read of the sources — one
-graph per source count ``S`` (at most blocks + 1 of them).
+graph per source count ``S`` (at most blocks + 1 of them). Only forwards with autograd on use it (training):
+evaluation and generation (no grad, often without autocast) run the mix eager, so that they add no
+graphs per source count and autocast state (with ``small``'s five source counts they passed dynamo's
+recompile limit of 8).
 
 One graph per class and shape, not per layer: all compiled modules of one class run the same ``forward``
 code; their parameters and buffers are graph inputs (dynamo's ``inline_inbuilt_nn_modules``, on by

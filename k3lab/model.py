@@ -144,9 +144,10 @@ class K3Model(nn.Module):
             raise ValueError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
         if cache is not None and len(cache.layers) != len(self.layers):
             raise ValueError(f"cache has {len(cache.layers)} layer entries, the model has {len(self.layers)} layers")
+        mix_fn = self.attn_res_fn if torch.is_grad_enabled() else None  # compiled for training; eager for no-grad calls
         stream = residual_stream(self.config.residual, self.embed_tokens(input_ids),
                                  self.attn_res_sublayers_per_block, self.attn_res_recorder,
-                                 self.recompute_residual_mix, self.attn_res_fn)
+                                 self.recompute_residual_mix, mix_fn)
         new_caches = [layer(stream, None if cache is None else cache.layers[i]) for i, layer in enumerate(self.layers)]
         res = (self.output_attn_res_proj, self.output_attn_res_norm) if self.use_attn_res else (None, None)
         residual = stream.output(*res)
