@@ -5,7 +5,9 @@
 Per step ``s`` (0-based): ``lr = cosine_lr(s, steps, warmup, lr, min_lr_ratio)`` for every group
 (K3: cosine, 1% linear warmup, weight decay 0.1), ``loss = model(x, labels=y).loss`` (under bf16
 autocast if asked), backward, global grad-norm clip, optimizer step, ``model.after_optimizer_step()``
-when the model defines it (MoE balancer updates, QK-Clip). ``compile="sublayer"`` compiles each
+when the model defines it (MoE balancer updates, QK-Clip). One host sync a step: after backward, the
+loss, the gradient norm and the logged metrics are read back together (a non-finite loss or norm stops
+the run there, before the update). ``compile="sublayer"`` compiles each
 decoder layer's mixer and MLP first (:mod:`k3lab.compile`). The model's ``loss`` is the objective:
 a model adds its own auxiliary/MTP terms into it (``aux_loss`` and ``metrics`` are only logged).
 
@@ -201,12 +203,25 @@ def evaluate(model: nn.Module, batches, num_batches: int = 8, device: str | torc
 # ----------------------------------------------------------------------------------------------
 # the loop
 # ----------------------------------------------------------------------------------------------
-def _metric_floats(out) -> dict:
-    """aux_loss and the scalar entries of out.metrics, as floats for the history."""
+def _metric_values(out) -> dict:
+    """aux_loss and the scalar entries of out.metrics (0-d tensors or numbers), for the history."""
     found = {"aux_loss": out.aux_loss} if getattr(out, "aux_loss", None) is not None else {}
     found.update(getattr(out, "metrics", None) or {})
-    return {k: float(v.detach() if isinstance(v, torch.Tensor) else v) for k, v in found.items()
+    return {k: v for k, v in found.items()
             if isinstance(v, (int, float)) or (isinstance(v, torch.Tensor) and v.numel() == 1)}
+
+
+def _host_floats(values: dict) -> dict:
+    """``{name: one-element tensor | number}`` -> ``{name: float}``, reading all the tensors of a device
+    back in one copy: one host sync a step instead of one per value."""
+    floats = {k: float(v) for k, v in values.items() if not isinstance(v, torch.Tensor)}
+    by_device: dict = {}
+    for k, v in values.items():
+        if isinstance(v, torch.Tensor):
+            by_device.setdefault(v.device, []).append((k, v.detach().reshape(()).double()))
+    for items in by_device.values():
+        floats.update(zip((k for k, _ in items), torch.stack([v for _, v in items]).tolist()))
+    return {k: floats[k] for k in values}
 
 
 def _saved_train_config(resume_from: str | os.PathLike) -> dict:
@@ -296,13 +311,14 @@ def fit(model: nn.Module, train_batches, cfg: TrainConfig, val_batches=None,
                 out = model(x, labels=y)
             if out.loss is None:
                 raise ValueError("fit: model(input_ids, labels=...) returned loss=None")
-            loss = out.loss.float().item()
-            grad_norm = math.nan
-            if math.isfinite(loss):
-                out.loss.backward()
-                # param_dtype="bfloat16": the bf16 grads become the masters' fp32 grads; clip and norm on those
-                grads_of = model.parameters() if masters is None else masters.grads_to_masters()
-                grad_norm = float(nn.utils.clip_grad_norm_(grads_of, cfg.grad_clip or math.inf))
+            # backward before reading anything back: the step's one host sync comes after it (a non-finite
+            # loss gives non-finite gradients, and the check below stops the run before they are applied)
+            out.loss.backward()
+            # param_dtype="bfloat16": the bf16 grads become the masters' fp32 grads; clip and norm on those
+            grads_of = model.parameters() if masters is None else masters.grads_to_masters()
+            norm = nn.utils.clip_grad_norm_(grads_of, cfg.grad_clip or math.inf)
+            metrics = _host_floats({**_metric_values(out), " loss": out.loss.float(), " grad_norm": norm})
+            loss, grad_norm = metrics.pop(" loss"), metrics.pop(" grad_norm")
             if not (math.isfinite(loss) and math.isfinite(grad_norm)):
                 optimizer.zero_grad(set_to_none=True)
                 raise TrainingDiverged(
@@ -317,7 +333,7 @@ def fit(model: nn.Module, train_batches, cfg: TrainConfig, val_batches=None,
             step += 1
             tokens += x.numel()
             row = dict(step=step, loss=loss, lr=lr, grad_norm=grad_norm, tokens=tokens,
-                       elapsed=round(elapsed_before + time.perf_counter() - t0, 4), **_metric_floats(out))
+                       elapsed=round(elapsed_before + time.perf_counter() - t0, 4), **metrics)
             if val_batches is not None and (step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0)):
                 row["val_loss"] = evaluate(model, val_batches, cfg.eval_batches, device, cfg.dtype)
             if step % cfg.log_every == 0 or step == end or "val_loss" in row:

@@ -26,7 +26,7 @@ needs ``--dtype bfloat16``), grad-norm clip 1.0, ``--optimizer`` from ``k3lab.op
 same for fla's model), ``--compile`` (``TrainConfig.compile``; k3lab models only),
 ``TrainConfig.fused_loss`` with ``--fused-loss`` (k3lab models; fla's model always fuses its loss). Steps: 1
 first step (compilation, autotuning: "first step s"), ``--warmup`` untimed steps, then ``--steps`` timed
-ones; ms/step is the median over the timed steps of fit's own per-step clock (each step syncs on its loss).
+ones; ms/step is the median over the timed steps of fit's own per-step clock (fit reads the loss, the grad norm and the metrics back once a step, after backward).
 tokens/s = B·T / step time. MFU = 6 · active parameters · tokens/s ÷ ``--peak-flops`` (default 790e12: the
 bf16 dense matmul rate measured on an H200); active parameters exclude the input embedding and include the
 LM head (k3lab: ``cfg.param_counts()["active"]``, routed experts counted at top-k; fla: all parameters but
@@ -40,18 +40,18 @@ fla autotunes its Triton kernels on first use (minutes on an H200): unpack its a
 configs for fla 0.6.0 + triton 3.6; ``--fla-autotune-cache TGZ`` unpacks a tarball there, into a fresh
 folder when ``TRITON_CACHE_DIR`` is unset); the first-step column shows what remained.
 
-Measured on one H200 (torch 2.11, triton 3.6, fla 0.6.0 with its model autotune cache), bf16 autocast,
-AdamW, 1 + 2 warm-up + 5 timed steps; two invocations on one machine (eager with fla, then compiled):
+Measured on one H200 (2026-12-02, torch 2.11, triton 3.6, fla 0.6.0 with its autotune caches), bf16
+autocast, AdamW, 1 + 1 warm-up + 3 timed steps, one invocation, every k3lab row with ``compile=sublayer,
+fused_loss=on`` (the whole table and a profile: ``kernels/TRAIN_RESULTS.md``, last section):
 
-| config | compile | ms/step | tokens/s | MFU | peak GiB | first step s |
+| config | recompute | weights | ms/step | tokens/s | MFU | peak GiB |
 |---|---|---|---|---|---|---|
-| kda-anchor-8x4096 | none | 974.8 | 33,615 | 9.5% | 117.4 | 2.4 |
-| kda-anchor-8x4096 | sublayer | 316.3 | 103,598 | 29.4% | 78.3 | 21.1 |
-| fla-kda-anchor-8x4096 | (fla, bf16 weights) | 342.8 | 95,589 | 25.7% | 34.7 | 22.8 |
-| small-16x1024 | none | 675.8 | 24,244 | 6.5% | 86.3 | 2.4 |
-| small-16x1024 | sublayer | 342.4 | 47,850 | 12.8% | 69.6 | 37.4 |
-| small-8x4096 | none | OOM at 134 GiB | | | | |
-| small-8x4096 | sublayer | 595.2 | 55,054 | 14.7% | 117.0 | 24.8 |
+| kda-anchor-8x4096 | none | fp32 | 330.9 | 99,027 | 28.1% | 63.0 |
+| kda-anchor-8x4096 | selective | bf16 + fp32 master | 328.3 | 99,811 | 28.3% | 43.4 |
+| kda-anchor-8x4096 | sublayer | bf16 + fp32 master | 363.6 | 90,121 | 25.5% | 21.0 |
+| fla-kda-anchor-8x4096 | (fla) | bf16 | 344.4 | 95,145 | 25.6% | 34.7 |
+| small-16x1024 | sublayer | bf16 + fp32 master | 258.3 | 63,430 | 16.9% | 36.3 |
+| small-8x4096 | selective | bf16 + fp32 master | 378.8 | 86,505 | 23.1% | 76.8 |
 """
 
 from __future__ import annotations
