@@ -18,13 +18,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from tqdm.auto import tqdm
+from tqdm import tqdm  # text bar on stdout, as k3lab.train.fit (a saved notebook keeps its finished state)
 
 from k3lab.backend import resolve_device
 from k3lab.config import ModelConfig
@@ -160,8 +161,9 @@ def _train(model_cfg, train_cfg, opts, batches, device, resume_from, stop_at, on
         extra = load_distributed(resume_from, model, optimizer, local_shards=local_shards)
         step, history = extra["step"], extra["history"]
     end = train_cfg.steps if stop_at is None else min(train_cfg.steps, stop_at)
-    bar = tqdm(total=train_cfg.steps, initial=step, desc=train_cfg.name,
-               disable=not train_cfg.progress or rank != 0, dynamic_ncols=True)
+    bar = tqdm(total=train_cfg.steps, initial=step, desc=train_cfg.name, file=sys.stdout,
+               disable=not train_cfg.progress or rank != 0, dynamic_ncols=sys.stdout.isatty(),
+               mininterval=0.1 if sys.stdout.isatty() else 1.0)
     t_start, tokens_timed, t_timed = time.perf_counter(), 0, 0.0
     try:
         while step < end:
