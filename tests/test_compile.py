@@ -207,3 +207,20 @@ def test_triton_kda_op_compiles_without_graph_break():
     env = dict(os.environ, TRITON_INTERPRET="1")
     out = subprocess.run([sys.executable, "-c", INTERPRETED_OP], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+def test_latent_moe_compiles_with_one_graph_break_the_balancer():
+    """The grouped-GEMM LatentMoE (the CUDA path; its forward traces on CPU in bf16) breaks dynamo's graph
+    once, at the balancer's eager ``observe``: expert loads are a ``scatter_add_`` with a static shape, not
+    ``torch.bincount`` (data-dependent length: a host sync and more breaks; 6 with it here)."""
+    from k3lab.compile import _balancer_runs_eager
+    from k3lab.moe.latent import LatentMoE
+
+    cfg = ModelConfig.preset("tiny")
+    torch.manual_seed(0)
+    moe = LatentMoE(cfg, expert_impl="grouped").to(torch.bfloat16).train()
+    _balancer_runs_eager(moe)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(moe)(torch.randn(2, 8, cfg.hidden_size, dtype=torch.bfloat16))
+    assert explained.graph_break_count == 1, [str(b.reason)[:120] for b in explained.break_reasons]
+    assert "disable" in str(explained.break_reasons[0].reason)
