@@ -172,6 +172,28 @@ def test_world_size_one_equals_fit():
         assert got == ref, optimizer
 
 
+def test_world_size_one_fused_loss_equals_fit_and_unsupported_fields_raise(monkeypatch):
+    """fused_loss is honoured (the chunked loss runs, and world size 1 equals fit with it); compile,
+    recompute and param_dtype values the distributed trainer does not run are errors naming the field."""
+    import k3lab.model
+
+    calls = []
+    fused = k3lab.model.linear_cross_entropy
+    monkeypatch.setattr(k3lab.model, "linear_cross_entropy", lambda *a, **k: calls.append(1) or fused(*a, **k))
+    cfg = ModelConfig.preset("tiny")
+    train_cfg = dataclasses.replace(_train_cfg("adamw"), steps=2, fused_loss=True)
+    torch.manual_seed(0)
+    ref = [r["loss"] for r in fit(K3ForCausalLM(cfg), _batches(), train_cfg).history]
+    calls.clear()
+    assert train_parallel(cfg, train_cfg, ParallelOptions(), _batches())["losses"] == ref
+    assert len(calls) == 2  # one chunked loss per step (tiny has no MTP head)
+    for field, value in (("compile", "sublayer"), ("recompute", "selective"), ("param_dtype", "bfloat16")):
+        extra = {"dtype": "bfloat16"} if field == "param_dtype" else {}
+        bad = dataclasses.replace(_train_cfg("adamw"), **{field: value}, **extra)
+        with pytest.raises(ValueError, match=f"TrainConfig.{field}="):
+            train_parallel(cfg, bad, ParallelOptions(), _batches())
+
+
 def test_bad_dims_name_the_field():
     for kw, field in ((dict(world_size=4, cp=3), "cp="), (dict(world_size=4, ep=3), "ep="),
                       (dict(world_size=4, dp_shard=3, cp=2), "dp_shard="), (dict(world_size=0), "world_size=")):

@@ -124,7 +124,27 @@ def train_parallel(model_cfg: ModelConfig, train_cfg: TrainConfig, opts: Paralle
             dist.destroy_process_group()
 
 
+# TrainConfig fields the distributed trainer does not run (field -> (the value it runs, what to use instead))
+UNSUPPORTED_TRAIN_FIELDS = {
+    "compile": ("none", "it runs eager"),
+    "recompute": ("none", "use ParallelOptions.activation_checkpointing (per sublayer)"),
+    "param_dtype": ("float32", "bf16 weights with fp32 masters are k3lab.train.fit's (k3lab.precision); "
+                               "FSDP2's MixedPrecisionPolicy is the distributed counterpart, not wired here yet"),
+}
+
+
+def check_train_config(train_cfg: TrainConfig) -> None:
+    """ValueError naming each TrainConfig field set to a value the distributed trainer would not honour
+    (:data:`UNSUPPORTED_TRAIN_FIELDS`): nothing is silently ignored."""
+    for name, (runs, instead) in UNSUPPORTED_TRAIN_FIELDS.items():
+        value = getattr(train_cfg, name)
+        if value != runs:
+            raise ValueError(f"TrainConfig.{name}={value!r}: the distributed trainer (k3lab.parallel) runs only "
+                             f"{name}={runs!r}; {instead}")
+
+
 def _train(model_cfg, train_cfg, opts, batches, device, resume_from, stop_at, on_step) -> dict:
+    check_train_config(train_cfg)
     world = dist.get_world_size() if dist.is_initialized() else 1
     dims = ParallelDims(world, dp_shard=opts.dp_shard, cp=opts.cp, ep=opts.ep)
     x0, _ = batches(0)
@@ -147,6 +167,7 @@ def _train(model_cfg, train_cfg, opts, batches, device, resume_from, stop_at, on
         del source
         if experts:  # to_empty made new Parameter objects for the (unsharded) expert slices
             experts = set(expert_parameters(model))
+    model.fused_loss = train_cfg.fused_loss  # the chunked linear cross-entropy (k3lab.losses), per rank
     model.train()
     optimizer = build_optimizer(model, train_cfg.optimizer, lr=train_cfg.lr, weight_decay=train_cfg.weight_decay,
                                 betas=train_cfg.betas, foreach=False if distributed else None,
