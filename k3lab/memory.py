@@ -2,6 +2,7 @@
 
     from k3lab.memory import apply_recompute
     apply_recompute(model, "selective")   # in place; fit() does this when TrainConfig.recompute says so
+    apply_recompute(model, "sublayer", layers=12)  # 12 decoder layers checkpointed, the others "selective"
 
 Modes (:data:`RECOMPUTE_MODES`), each exact — the same numbers as "none", bit for bit where the
 recomputed code is deterministic:
@@ -21,6 +22,15 @@ recomputed code is deterministic:
   experts and its shared experts, not around the router: the balancer observes each step's routing
   once (a recomputed router would count every token twice). A checkpointed KDA layer keeps only its
   input anyway, so the kernel's own recompute is not needed here, and any backend runs.
+* ``"mixer"``: as "sublayer", but only the token mixers (KDA, Gated MLA) are checkpointed; the MLPs and
+  experts keep what they save. A KDA sublayer keeps about three times as much per token as its
+  recompute costs in projections (its kernel forward runs again in backward under "selective"
+  anyway), so this is the cheaper half of "sublayer".
+
+``layers`` (``TrainConfig.recompute_layers``), with "mixer" or "sublayer": checkpoint only that many
+decoder layers, spread evenly over the depth (:func:`recompute_layer_indices`; the MTP block counts as
+the last layer), and run the others as "selective". Memory and time then move in steps of one layer
+between "selective" and the mode — torchtitan's "every N-th layer" activation checkpointing, by count.
 """
 
 from __future__ import annotations
@@ -30,7 +40,21 @@ import functools
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-RECOMPUTE_MODES = ("none", "selective", "sublayer")
+RECOMPUTE_MODES = ("none", "selective", "mixer", "sublayer")
+LAYERED_MODES = ("mixer", "sublayer")  # the modes that checkpoint whole sublayers (and take ``layers``)
+
+
+def recompute_layer_indices(num_layers: int, layers: int | None) -> list[int]:
+    """The decoder layers (``0 .. num_layers-1``) to checkpoint: all when ``layers`` is None, else
+    ``layers`` of them spread evenly — layer ``i`` when ``⌊(i+1)·n/L⌋ > ⌊i·n/L⌋`` (``n = layers``,
+    ``L = num_layers``: every second layer for ``n = L/2``, the last layer always for ``n ≥ 1``).
+    ValueError unless ``0 <= layers <= num_layers``."""
+    if layers is None:
+        return list(range(num_layers))
+    if not (isinstance(layers, int) and 0 <= layers <= num_layers):
+        raise ValueError(f"TrainConfig.recompute_layers={layers!r}: must be None (all) or an int in "
+                         f"[0, {num_layers}] (this model's decoder layers, the MTP block included)")
+    return [i for i in range(num_layers) if (i + 1) * layers // num_layers > i * layers // num_layers]
 
 
 def checkpoint_module(module: nn.Module) -> None:
@@ -48,35 +72,54 @@ def checkpoint_module(module: nn.Module) -> None:
     module.forward = run
 
 
-def checkpoint_targets(model: nn.Module) -> list[nn.Module]:
-    """The modules "sublayer" checkpoints: each decoder layer's ``self_attn`` and dense MLP; for a
-    LatentMoE its ``experts`` and ``shared_experts`` (the router and balancer stay outside)."""
-    from k3lab.compile import sublayer_modules
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """Every K3DecoderLayer of ``model`` in module order (the main stack, then the MTP block)."""
+    from k3lab.model import K3DecoderLayer
+
+    return [m for m in model.modules() if isinstance(m, K3DecoderLayer)]
+
+
+def checkpoint_targets(model: nn.Module, mode: str = "sublayer", layers: int | None = None) -> list[nn.Module]:
+    """The modules ``mode`` ("sublayer" or "mixer") checkpoints in the decoder layers that ``layers``
+    picks (:func:`recompute_layer_indices`): each layer's ``self_attn``, and for "sublayer" its dense MLP
+    too, or for a LatentMoE its ``experts`` and ``shared_experts`` (the router and balancer stay outside)."""
     from k3lab.moe.latent import LatentMoE
 
+    if mode not in LAYERED_MODES:
+        raise ValueError(f"checkpoint_targets: mode={mode!r}: allowed values are {LAYERED_MODES}")
+    found = decoder_layers(model)
     targets = []
-    for _, m in sublayer_modules(model):
-        if isinstance(m, LatentMoE):
-            targets += [x for x in (m.experts, m.shared_experts) if x is not None]
+    for i in recompute_layer_indices(len(found), layers):
+        targets.append(found[i].self_attn)
+        if mode == "mixer":
+            continue
+        mlp = getattr(found[i], found[i].mlp_name)
+        if isinstance(mlp, LatentMoE):
+            targets += [x for x in (mlp.experts, mlp.shared_experts) if x is not None]
         else:
-            targets.append(m)
+            targets.append(mlp)
     return targets
 
 
-def apply_recompute(model: nn.Module, mode: str) -> None:
-    """Set ``model`` (a K3ForCausalLM or K3Model, in place) to recompute per ``mode`` (see the module doc)."""
+def apply_recompute(model: nn.Module, mode: str, layers: int | None = None) -> None:
+    """Set ``model`` (a K3ForCausalLM or K3Model, in place) to recompute per ``mode`` (see the module
+    doc); ``layers``: with "mixer" / "sublayer", how many decoder layers (None: all)."""
     if mode not in RECOMPUTE_MODES:
         raise ValueError(f"recompute={mode!r}: allowed values are {RECOMPUTE_MODES}")
+    if layers is not None and mode not in LAYERED_MODES:
+        raise ValueError(f"TrainConfig.recompute_layers={layers!r} needs recompute in {LAYERED_MODES}, "
+                         f"got recompute={mode!r} (use recompute_layers=None)")
     if mode == "none":
         return
     from k3lab.mixers.kda import KDA
     from k3lab.model import K3Model
 
+    targets = checkpoint_targets(model, mode, layers) if mode in LAYERED_MODES else []
+    checkpointed = {id(t) for t in targets}
     for m in model.modules():
-        if isinstance(m, KDA):
-            m.kernel_recompute = mode == "selective"
+        if isinstance(m, KDA):  # a checkpointed KDA layer keeps only its input: no kernel recompute inside it
+            m.kernel_recompute = id(m) not in checkpointed
         elif isinstance(m, K3Model):
             m.recompute_residual_mix = True
-    if mode == "sublayer":
-        for m in checkpoint_targets(model):
-            checkpoint_module(m)
+    for m in targets:
+        checkpoint_module(m)

@@ -44,7 +44,7 @@ from k3lab.backend import resolve_device
 from k3lab.checkpoint import (CHECKPOINT_FORMAT, _plain_config, _set_rng_state,  # noqa: F401 (re-exported)
                               load_checkpoint, resolve_checkpoint, save_checkpoint)
 from k3lab.compile import COMPILE_MODES, compile_model
-from k3lab.memory import RECOMPUTE_MODES, apply_recompute
+from k3lab.memory import LAYERED_MODES, RECOMPUTE_MODES, apply_recompute
 from k3lab.optim import build_optimizer, set_lr
 from k3lab.precision import PARAM_DTYPES, MasterWeightOptimizer, cast_params_
 
@@ -84,7 +84,9 @@ class TrainConfig:
                                               # "bfloat16" = cast to bf16, fp32 master weights (k3lab.precision)
     fused_loss: bool = False                  # True: set model.fused_loss (K3: chunked linear CE); False: leave it
     compile: str = "none"                     # COMPILE_MODES: "none" (eager) | "sublayer" (k3lab.compile)
-    recompute: str = "none"                   # RECOMPUTE_MODES: "none" | "selective" | "sublayer" (k3lab.memory)
+    recompute: str = "none"                   # RECOMPUTE_MODES: "none" | "selective" | "mixer" | "sublayer" (k3lab.memory)
+    recompute_layers: int | None = None       # with "mixer" / "sublayer": checkpoint this many decoder layers
+                                              # (spread over depth; the others "selective"); None = all
     progress: bool = True                     # tqdm progress bar
     name: str = "train"                       # run name: the progress bar's label
 
@@ -117,6 +119,12 @@ class TrainConfig:
         need(isinstance(self.fused_loss, bool), "fused_loss", "must be a bool")
         need(self.compile in COMPILE_MODES, "compile", f"allowed values are {COMPILE_MODES}")
         need(self.recompute in RECOMPUTE_MODES, "recompute", f"allowed values are {RECOMPUTE_MODES}")
+        need(self.recompute_layers is None or (isinstance(self.recompute_layers, int)
+                                               and not isinstance(self.recompute_layers, bool)
+                                               and self.recompute_layers >= 0),
+             "recompute_layers", "must be None (all layers) or an int >= 0")
+        need(self.recompute_layers is None or self.recompute in LAYERED_MODES, "recompute_layers",
+             f"needs TrainConfig.recompute in {LAYERED_MODES}, got recompute={self.recompute!r}")
         need(isinstance(self.device, str) and (self.device in ("auto", "cpu", "cuda")
                                                or self.device.startswith("cuda:")),
              "device", "allowed values are 'auto', 'cpu', 'cuda', 'cuda:N'")
@@ -257,7 +265,7 @@ def fit(model: nn.Module, train_batches, cfg: TrainConfig, val_batches=None,
     model.to(device).train()
     if cfg.param_dtype != "float32":
         cast_params_(model, cfg.param_dtype)  # trainable floating params only; buffers stay as the model made them
-    apply_recompute(model, cfg.recompute)  # before compiling: the checkpoint wrappers are traced too
+    apply_recompute(model, cfg.recompute, cfg.recompute_layers)  # before compiling: the checkpoint wrappers are traced too
     compile_model(model, cfg.compile)  # "sublayer": torch.compile each mixer and MLP in place (same state_dict)
     optimizer = build_optimizer(model, cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay,
                                 betas=cfg.betas, **cfg.optimizer_kwargs)

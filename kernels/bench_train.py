@@ -103,7 +103,8 @@ class Spec:
 
 
 OPTIONS = {"compile": COMPILE_MODES, "recompute": RECOMPUTE_MODES, "fused_loss": ("on", "off"),
-           "param_dtype": PARAM_DTYPES}
+           "param_dtype": PARAM_DTYPES, "recompute_layers": ("N (an int >= 0)",)}
+INT_OPTIONS = ("recompute_layers",)  # options whose value is an int, not one of a list
 
 
 def parse_config(name: str) -> Spec:
@@ -117,7 +118,8 @@ def parse_config(name: str) -> Spec:
     options = []
     for item in filter(None, (m.group(4) or "").split(",")):
         key, _, value = item.partition("=")
-        if key not in OPTIONS or value not in OPTIONS[key]:
+        ok = value.isdigit() if key in INT_OPTIONS else value in OPTIONS.get(key, ())
+        if key not in OPTIONS or not ok:
             raise ValueError(f"config {name!r}: option {item!r}: allowed are "
                              + "; ".join(f"{k}={'|'.join(v)}" for k, v in OPTIONS.items()))
         options.append((key, value))
@@ -200,6 +202,9 @@ def run_config(spec: Spec, args) -> dict:
                torch=torch.__version__, dtype=args.dtype, optimizer=args.optimizer,
                compile="none" if is_fla else spec.option("compile", args.compile),
                recompute="none" if is_fla else spec.option("recompute", args.recompute), status="ok")
+    layers = None if is_fla else spec.option("recompute_layers", None)
+    if layers is not None:
+        row["recompute_layers"] = int(layers)
     try:
         import triton
 
@@ -241,7 +246,8 @@ def run_config(spec: Spec, args) -> dict:
         dtype = "float32" if is_fla and args.fla_weights == "bfloat16" else args.dtype
         cfg = TrainConfig(steps=steps, lr=1e-3, warmup_steps=0, optimizer=args.optimizer, device=str(device),
                           dtype=dtype, param_dtype=param_dtype, fused_loss=fused_loss, compile=row["compile"],
-                          recompute=row["recompute"], progress=False, name=spec.name)
+                          recompute=row["recompute"], recompute_layers=row.get("recompute_layers"),
+                          progress=False, name=spec.name)
         t0 = time.perf_counter()
         try:
             result = fit(model, batches, cfg)
@@ -289,7 +295,8 @@ def markdown_table(rows: list[dict]) -> str:
         params = f"{_millions(r['params_active'])} / {_millions(r['params_total'])}" if "params_active" in r else "–"
         loss = f"{_fmt(r.get('loss_first'), '.3f')} → {_fmt(r.get('loss'), '.3f')}" if "loss" in r else "–"
         lines.append("| " + " | ".join([
-            r["config"].split("@")[0], r.get("model", "?"), r.get("compile", "–"), r.get("recompute", "–"),
+            r["config"].split("@")[0], r.get("model", "?"), r.get("compile", "–"),
+            r.get("recompute", "–") + (f" ({r['recompute_layers']} layers)" if "recompute_layers" in r else ""),
             r.get("fused_loss", "–"), r.get("weights", "–"), params,
             _fmt(r.get("ms_per_step"), ".1f"), _fmt(r.get("tokens_per_s"), ",.0f"),
             _fmt(r.get("mfu"), ".1f", 100) + ("%" if "mfu" in r else ""), _fmt(r.get("peak_mem_gib"), ".1f"),

@@ -113,7 +113,7 @@ def print_saved(cfg, args, dev, x) -> None:
     model.fused_loss = args.fused_loss
     if args.param_dtype != "float32":
         cast_params_(model, args.param_dtype)
-    apply_recompute(model, args.recompute)
+    apply_recompute(model, args.recompute, args.recompute_layers)
     saved, total = saved_bytes(model, x)
     tokens = x.numel()
     print(f"saved for backward by one eager forward (recompute={args.recompute}): {total / 2**30:.2f} GiB, "
@@ -132,6 +132,8 @@ def main():
     parser.add_argument("--preset", default="small", choices=("tiny", "small", "kda-anchor"))
     parser.add_argument("--compile", default="none", choices=COMPILE_MODES)
     parser.add_argument("--recompute", default="none", choices=RECOMPUTE_MODES)
+    parser.add_argument("--recompute-layers", type=int, default=None,
+                        help="with --recompute mixer|sublayer: checkpoint this many decoder layers (TrainConfig.recompute_layers)")
     parser.add_argument("--fused-loss", action="store_true", help="chunked linear cross-entropy (model.fused_loss)")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=1024)
@@ -159,7 +161,7 @@ def main():
     model.fused_loss = args.fused_loss
     if args.param_dtype != "float32":
         cast_params_(model, args.param_dtype)  # as fit: before recompute and compile
-    apply_recompute(model, args.recompute)
+    apply_recompute(model, args.recompute, args.recompute_layers)
     compile_model(model, args.compile)
     opt = build_optimizer(model, args.optimizer, lr=1e-3, weight_decay=0.1)
     if args.param_dtype != "float32":
