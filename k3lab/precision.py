@@ -165,8 +165,7 @@ class MasterWeightOptimizer:
 
     @torch.no_grad()
     def _copy_to_params(self) -> None:
-        for p, w in zip(self.params, self.masters):
-            p.copy_(w)  # fp32 -> the parameter's dtype: round to nearest even
+        torch._foreach_copy_(self.params, self.masters)  # fp32 -> the parameter's dtype: round to nearest even
         self._versions = [p._version for p in self.params]
 
     # -- checkpoints ----------------------------------------------------------------------------

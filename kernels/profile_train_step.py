@@ -134,6 +134,8 @@ def main():
     parser.add_argument("--recompute", default="none", choices=RECOMPUTE_MODES)
     parser.add_argument("--recompute-layers", type=int, default=None,
                         help="with --recompute mixer|sublayer: checkpoint this many decoder layers (TrainConfig.recompute_layers)")
+    parser.add_argument("--compile-mode", default=None, choices=("default", "reduce-overhead", "max-autotune-no-cudagraphs"),
+                        help="torch.compile's mode for --compile sublayer (an experiment: fit compiles with the default)")
     parser.add_argument("--fused-loss", action="store_true", help="chunked linear cross-entropy (model.fused_loss)")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=1024)
@@ -162,13 +164,15 @@ def main():
     if args.param_dtype != "float32":
         cast_params_(model, args.param_dtype)  # as fit: before recompute and compile
     apply_recompute(model, args.recompute, args.recompute_layers)
-    compile_model(model, args.compile)
+    compile_model(model, args.compile, **({"mode": args.compile_mode} if args.compile_mode else {}))
     opt = build_optimizer(model, args.optimizer, lr=1e-3, weight_decay=0.1)
     if args.param_dtype != "float32":
         opt = MasterWeightOptimizer(model, opt)
     x = torch.randint(0, cfg.vocab_size, (args.batch_size, args.seq_len), device=dev)
 
     def step():
+        if args.compile_mode == "reduce-overhead":  # CUDA graphs: a new step may overwrite the last one's outputs
+            torch.compiler.cudagraph_mark_step_begin()
         with torch.autocast(dev.type, dtype=torch.bfloat16):
             out = model(x, labels=x)
         out.loss.backward()
