@@ -33,6 +33,15 @@ Updates made to the bf16 parameters outside the optimizer (QK-Clip rescales MLA 
 counter changed since the copy-back gets ``w ← float32(p)`` where ``p ≠ bf16(w)`` (only the changed
 elements lose their sub-ulp part); this runs before the next step and before ``state_dict()``.
 
+The fused step (``fused``: on by default where it applies — a wrapped ``torch.optim.AdamW`` without
+amsgrad or maximize, every parameter a contiguous bf16 CUDA tensor): :meth:`MasterWeightOptimizer.clip_grad_norm_`
+computes the global norm from the bf16 gradients in float32 (no ``G`` is made) and keeps the clip
+coefficient ``c`` on the device; :meth:`~MasterWeightOptimizer.step` then runs the clip, the AdamW update of
+the masters and the bf16 copy-back as one Triton kernel per parameter (:mod:`k3lab.kernels.adamw`: 28
+bytes of traffic a parameter instead of 40, and no fp32 gradients in memory). The optimizer state
+it keeps is torch's AdamW state (``step``, ``exp_avg``, ``exp_avg_sq``), so checkpoints load either
+way; the two paths agree within float32 rounding, not bit for bit.
+
 Checkpoints: ``state_dict()`` is the wrapped optimizer's, with each parameter's master added to its
 state under ``"master"`` (so :mod:`k3lab.checkpoint` writes it into ``optimizer.safetensors``);
 ``load_state_dict()`` restores the masters exactly and copies ``bf16(w)`` into the model, so a resumed
@@ -87,7 +96,7 @@ class MasterWeightOptimizer:
     model's ``parameters()`` order (trainable parameters only).
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, fused: bool | None = None):
         if optimizer.state:
             raise ValueError("MasterWeightOptimizer: wrap the optimizer before its first step (it already has state)")
         if isinstance(optimizer, MasterWeightOptimizer):
@@ -105,6 +114,30 @@ class MasterWeightOptimizer:
         for g in optimizer.param_groups:
             g["params"] = [master_of[id(p)] for p in g["params"]]
         self._versions = [p._version for p in self.params]
+        self._param_of = {id(w): p for p, w in zip(self.params, self.masters)}
+        why_not = self._why_not_fused()
+        if fused and why_not:
+            raise ValueError(f"MasterWeightOptimizer(fused=True): {why_not}; use fused=False (or None: fused where it applies)")
+        self.fused = why_not is None if fused is None else bool(fused)
+        self._clip: Tensor | None = None  # the fused step's clip coefficient (0-d float32, on the device)
+        self._steps: dict[int, int] = {}  # id(master) -> AdamW step count on the host (the kernel's bias corrections)
+
+    def _why_not_fused(self) -> str | None:
+        """None when the fused AdamW step applies to this optimizer and these parameters, else the reason."""
+        import os
+
+        if type(self.optimizer) is not torch.optim.AdamW:
+            return f"the fused step is AdamW's, the wrapped optimizer is {type(self.optimizer).__name__}"
+        if any(g.get("amsgrad") or g.get("maximize") for g in self.optimizer.param_groups):
+            return "the fused step has no amsgrad or maximize"
+        interpreted = os.environ.get("TRITON_INTERPRET") == "1"  # CPU tests of the kernel
+        if not all((p.is_cuda or interpreted) and p.dtype == torch.bfloat16 and p.is_contiguous() for p in self.params):
+            return "the fused step needs every parameter to be a contiguous bf16 CUDA tensor"
+        try:
+            import k3lab.kernels.adamw  # noqa: F401
+        except ImportError as err:
+            return f"k3lab.kernels.adamw does not import ({err})"
+        return None
 
     # -- the torch.optim.Optimizer surface that k3lab uses -----------------------------------------
     @property
@@ -143,11 +176,68 @@ class MasterWeightOptimizer:
         return self.masters
 
     @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> Tensor:
+        """The global 2-norm of the gradients (a 0-d float32 tensor, on the device) and the clip to
+        ``max_norm``, as ``nn.utils.clip_grad_norm_`` computes them (``c = min(1, max_norm / (norm + 1e-6))``).
+        Unfused: :meth:`grads_to_masters`, then ``nn.utils.clip_grad_norm_`` on the masters' fp32 grads.
+        Fused: the norm from the bf16 gradients, accumulated in float32; ``c`` is applied inside
+        :meth:`step`."""
+        if not self.fused:
+            return nn.utils.clip_grad_norm_(self.grads_to_masters(), max_norm)
+        self.sync_from_params()
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if not grads:
+            self._clip = None
+            return torch.zeros((), device=self.masters[0].device)
+        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32)))
+        self._clip = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        return norm
+
+    @torch.no_grad()
+    def _fused_step(self) -> None:
+        """Clip + AdamW + copy-back per parameter with a gradient (k3lab.kernels.adamw), on torch's AdamW
+        state (created as its fused variant creates it: ``step`` a 0-d float32 on the device)."""
+        from k3lab.kernels.adamw import master_adamw_step_
+
+        self.sync_from_params()
+        clip = self._clip if self._clip is not None else torch.ones((), device=self.masters[0].device)
+        steps, launches = [], []
+        for group in self.optimizer.param_groups:
+            beta1, beta2 = group["betas"]
+            for w in group["params"]:
+                p = self._param_of[id(w)]
+                if p.grad is None:
+                    continue
+                state = self.optimizer.state[w]
+                if not state:
+                    state.update(step=torch.zeros((), dtype=torch.float32, device=w.device),
+                                 exp_avg=torch.zeros_like(w, memory_format=torch.preserve_format),
+                                 exp_avg_sq=torch.zeros_like(w, memory_format=torch.preserve_format))
+                    self._steps[id(w)] = 0
+                elif id(w) not in self._steps:  # state loaded from a checkpoint: read its step once
+                    self._steps[id(w)] = int(state["step"])
+                self._steps[id(w)] += 1
+                steps.append(state["step"])
+                launches.append((w, p, state, group, beta1, beta2, self._steps[id(w)]))
+        for w, p, state, group, beta1, beta2, t in launches:
+            master_adamw_step_(w, p.grad, state["exp_avg"], state["exp_avg_sq"], p, clip, lr=float(group["lr"]),
+                               beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"], step=t)
+            p.grad = None
+        if steps:
+            torch._foreach_add_(steps, 1.0)
+        self._clip = None
+        self._versions = [p._version for p in self.params]
+
+    @torch.no_grad()
     def step(self, closure=None):
         """Step the masters with the wrapped optimizer, then copy ``bf16(w)`` into the parameters.
-        RuntimeError if a parameter still holds a gradient (call :meth:`grads_to_masters` first)."""
+        Fused (see the module docstring): the parameters' bf16 gradients are consumed here, after
+        :meth:`clip_grad_norm_`. Unfused: RuntimeError if a parameter still holds a gradient (call
+        :meth:`grads_to_masters` or :meth:`clip_grad_norm_` first)."""
         if closure is not None:
             raise ValueError("MasterWeightOptimizer.step: closures are not supported")
+        if self.fused and any(p.grad is not None for p in self.params):
+            return self._fused_step()
         if any(p.grad is not None for p in self.params):
             raise RuntimeError("MasterWeightOptimizer.step: the model's parameters still hold their gradients; "
                                "call grads_to_masters() (and clip the masters' grads) before step()")
@@ -200,4 +290,5 @@ class MasterWeightOptimizer:
             w.copy_(master)
         self.optimizer.load_state_dict({"state": {i: s for i, s in state.items() if s},
                                         "param_groups": state_dict["param_groups"]})
+        self._steps.clear()  # the fused step reads the loaded step counts
         self._copy_to_params()

@@ -322,9 +322,9 @@ def fit(model: nn.Module, train_batches, cfg: TrainConfig, val_batches=None,
             # backward before reading anything back: the step's one host sync comes after it (a non-finite
             # loss gives non-finite gradients, and the check below stops the run before they are applied)
             out.loss.backward()
-            # param_dtype="bfloat16": the bf16 grads become the masters' fp32 grads; clip and norm on those
-            grads_of = model.parameters() if masters is None else masters.grads_to_masters()
-            norm = nn.utils.clip_grad_norm_(grads_of, cfg.grad_clip or math.inf)
+            # param_dtype="bfloat16": the masters' clip (fp32 grads, or the fused AdamW step's norm from the bf16 grads)
+            clip = cfg.grad_clip or math.inf
+            norm = nn.utils.clip_grad_norm_(model.parameters(), clip) if masters is None else masters.clip_grad_norm_(clip)
             metrics = _host_floats({**_metric_values(out), " loss": out.loss.float(), " grad_norm": norm})
             loss, grad_norm = metrics.pop(" loss"), metrics.pop(" grad_norm")
             if not (math.isfinite(loss) and math.isfinite(grad_norm)):

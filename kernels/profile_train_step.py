@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from k3lab.compile import COMPILE_MODES, compile_model
+from k3lab.compile import COMPILE_MODES, compile_model, compile_sublayers
 from k3lab.config import ModelConfig
 from k3lab.memory import RECOMPUTE_MODES, apply_recompute
 from k3lab.model import K3ForCausalLM
@@ -164,7 +164,10 @@ def main():
     if args.param_dtype != "float32":
         cast_params_(model, args.param_dtype)  # as fit: before recompute and compile
     apply_recompute(model, args.recompute, args.recompute_layers)
-    compile_model(model, args.compile, **({"mode": args.compile_mode} if args.compile_mode else {}))
+    if args.compile_mode and args.compile == "sublayer":  # torch.compile(mode=...): an experiment, fit uses the default
+        compile_sublayers(model, None, mode=args.compile_mode)
+    else:
+        compile_model(model, args.compile)
     opt = build_optimizer(model, args.optimizer, lr=1e-3, weight_decay=0.1)
     if args.param_dtype != "float32":
         opt = MasterWeightOptimizer(model, opt)
@@ -176,8 +179,10 @@ def main():
         with torch.autocast(dev.type, dtype=torch.bfloat16):
             out = model(x, labels=x)
         out.loss.backward()
-        grads_of = opt.grads_to_masters() if isinstance(opt, MasterWeightOptimizer) else model.parameters()
-        torch.nn.utils.clip_grad_norm_(grads_of, 1.0)
+        if isinstance(opt, MasterWeightOptimizer):  # fused AdamW on CUDA: the clip runs inside the step
+            opt.clip_grad_norm_(1.0)
+        else:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         model.after_optimizer_step()

@@ -56,6 +56,30 @@ class DispatchPlan:
     data: object = None  # dispatcher-specific (expert parallel: split sizes, the balancing plan)
 
 
+class DispatchRows(torch.autograd.Function):
+    r"""``x_sorted = x[order // k]``: each of the N tokens copied to its k slots, in expert order.
+
+    The backward sums each token's k slot gradients, ``x̄_n = Σ_j ȳ[inv(n·k + j)]`` (``inv`` the inverse
+    permutation of ``order``), as a gather into slot order and a sum over k in float32 — what
+    ``index_select``'s own backward computes with ``index_add`` (atomic adds, k to each row, rounded
+    to the gradient's dtype one add at a time in bf16). Same sum, one rounding; no atomics.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, order: Tensor, k: int) -> Tensor:
+        ctx.save_for_backward(order)
+        ctx.k = k
+        return x.index_select(0, order // k)  # [N·k, L]
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (order,) = ctx.saved_tensors
+        inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+        by_slot = grad.index_select(0, inverse).view(-1, ctx.k, grad.shape[-1])  # [N, k, L] slot order
+        acc = torch.promote_types(grad.dtype, torch.float32)
+        return by_slot.sum(1, dtype=acc).to(grad.dtype), None, None
+
+
 class LocalDispatcher:
     """Single-device dispatch/combine: a stable sort of the N·k slots by expert, and its inverse.
 
@@ -78,7 +102,7 @@ class LocalDispatcher:
         flat = topk_idx.reshape(-1)                                   # [N·k]
         order = flat.argsort(stable=True)                             # [N·k]
         counts = expert_load(flat, num_experts)                       # [E], no host sync
-        return x.index_select(0, order // k), DispatchPlan(order, counts, N, k)
+        return DispatchRows.apply(x, order, k), DispatchPlan(order, counts, N, k)
 
     def combine(self, y_sorted: Tensor, plan: DispatchPlan, topk_weight: Tensor) -> Tensor:
         """y_sorted [N·k, L] (expert outputs), topk_weight [N, k] fp32 -> u [N, L] fp32 = Σ_j p_j·y_j."""
