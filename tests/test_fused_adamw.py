@@ -126,13 +126,15 @@ def test_fused_refusals_name_the_reason():
 def test_kernel_inputs_checked():
     from k3lab.kernels.adamw import master_adamw_step_
 
-    w = torch.zeros(4, 3)
     ok = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=1)
-    args = [w, torch.zeros(4, 3, dtype=torch.bfloat16), torch.zeros(4, 3), torch.zeros(4, 3),
-            torch.zeros(4, 3, dtype=torch.bfloat16), torch.ones(())]
-    with pytest.raises(ValueError, match=r"grad must be a contiguous torch.bfloat16 tensor of shape \(4, 3\)"):
-        master_adamw_step_(args[0], torch.zeros(4, 3), *args[2:], **ok)
-    with pytest.raises(ValueError, match=r"exp_avg_sq must be .* \(not contiguous\)"):
-        master_adamw_step_(*args[:3], torch.zeros(3, 4).t(), *args[4:], **ok)
+    f32, bf16 = (lambda *s: torch.zeros(*s)), (lambda *s: torch.zeros(*s, dtype=torch.bfloat16))
+    lists = [[f32(4, 3), f32(2)], [bf16(4, 3), bf16(2)], [f32(4, 3), f32(2)], [f32(4, 3), f32(2)], [bf16(4, 3), bf16(2)]]
+    clip = torch.ones(())
+    with pytest.raises(ValueError, match=r"grads\[1\] must be a contiguous torch.bfloat16 tensor of shape \(2,\)"):
+        master_adamw_step_(lists[0], [bf16(4, 3), f32(2)], *lists[2:], clip, **ok)
+    with pytest.raises(ValueError, match=r"exp_avg_sqs\[0\] must be .* \(not contiguous\)"):
+        master_adamw_step_(*lists[:3], [f32(3, 4).t(), f32(2)], lists[4], clip, **ok)
+    with pytest.raises(ValueError, match=r"the five lists must have one length, got \[2, 2, 2, 2, 1\]"):
+        master_adamw_step_(*lists[:4], lists[4][:1], clip, **ok)
     with pytest.raises(ValueError, match="step=0: AdamW steps count from 1"):
-        master_adamw_step_(*args, **{**ok, "step": 0})
+        master_adamw_step_(*lists, clip, **{**ok, "step": 0})

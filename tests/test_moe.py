@@ -6,7 +6,7 @@ import torch
 from k3lab.config import ModelConfig
 from k3lab.moe.latent import LatentMoE, LocalDispatcher, RoutedExperts, merge_expert_weights, split_expert_weights
 from k3lab.moe.router import (AuxLossBalancer, LossFreeBalancer, QuantileBalancer, SigmoidRouter, expert_load,
-                              make_balancer, max_violation, route_scores, router_logits)
+                              make_balancer, max_violation, route_scores)
 from k3lab.moe.simulate import FIG5_SCORES, sharded_histogram_update, simulate_balancing, skewed_scores
 from k3lab.moe.situ import SiTUMLP, situ_glu, swiglu
 from k3lab.testing import assert_close
@@ -193,27 +193,6 @@ def test_dispatch_backward_sums_each_tokens_slots(dtype):
     assert_close("dispatch dx", x64.grad, x.grad.double(), FP32 if dtype == torch.float32 else 4e-3)
 
 
-def test_router_logits_bf16_path_equals_float32_gemm_of_the_same_values():
-    """bf16 x and W: the forward is the float32 GEMM of the bf16 values (exact products), the backward
-    takes the logits' gradient rounded to bf16 (within bf16 of the float32 autograd reference)."""
-    torch.manual_seed(0)
-    x = torch.randn(64, 32).bfloat16().requires_grad_()
-    w = (0.1 * torch.randn(8, 32)).bfloat16().requires_grad_()
-    logits = router_logits(x, w)
-    assert logits.dtype == torch.float32
-    x32, w32 = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
-    ref = torch.nn.functional.linear(x32, w32)
-    assert_close("router logits", ref, logits, FP32)
-    g = torch.randn(64, 8)
-    logits.backward(g)
-    ref.backward(g)
-    assert x.grad.dtype == w.grad.dtype == torch.bfloat16
-    assert_close("router dx", x32.grad, x.grad.float(), BF16)
-    assert_close("router dW", w32.grad, w.grad.float(), BF16)
-    x16 = x.detach().float()  # fp32 weights: the plain float32 GEMM, as before
-    assert torch.equal(router_logits(x16, w32.detach()), torch.nn.functional.linear(x16, w32.detach()))
-
-
 def test_grouped_expert_path_matches_reference_forward_cpu():
     torch.manual_seed(0)
     experts = RoutedExperts(4, 16, 24)
@@ -253,28 +232,6 @@ def test_grouped_expert_path_matches_reference_bf16_cuda():
         outs[impl] = (y.float(), x.grad.float(), experts.w1.grad.clone(), experts.w2.grad.clone())
     for name, ref, got in zip(("y", "dx", "dw1", "dw2"), outs["reference"], outs["grouped"]):
         assert_close(name, ref, got, BF16)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_router_logits_bf16_cuda_gemm_matches_float32():
-    """The CUDA path (``torch.mm(..., out_dtype=float32)``, a bf16 tensor-core GEMM) against the float32
-    GEMM of the same bf16 values, forward and backward, eager and compiled."""
-    torch.manual_seed(0)
-    x = torch.randn(4096, 1024, device="cuda").bfloat16().requires_grad_()
-    w = (0.02 * torch.randn(64, 1024, device="cuda")).bfloat16().requires_grad_()
-    g = torch.randn(4096, 64, device="cuda")
-    x32, w32 = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
-    ref = torch.nn.functional.linear(x32, w32)
-    ref.backward(g)
-    for fn in (router_logits, torch.compile(router_logits)):
-        x.grad = w.grad = None
-        logits = fn(x, w)
-        logits.backward(g)
-        assert logits.dtype == torch.float32
-        assert_close("router logits (cuda)", ref, logits, FP32)
-        assert_close("router dx (cuda)", x32.grad, x.grad.float(), BF16)
-        assert_close("router dW (cuda)", w32.grad, w.grad.float(), BF16)
 
 
 @pytest.mark.gpu

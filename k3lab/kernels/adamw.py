@@ -16,6 +16,11 @@ master ``w`` after ``w.grad = c·float32(ĝ)``. One pass: it reads ĝ, w, m, v a
 (28 bytes a parameter), where converting the gradient, clipping it, stepping and copying back are four
 passes over 40 bytes a parameter. Equal to that reference path within float32 rounding (tested under
 ``TRITON_INTERPRET=1`` on the CPU and on CUDA).
+
+One launch covers a whole list of tensors (a parameter group: one lr, weight decay, betas, ε and step):
+each program looks up its tensor and offset in a block table, and the tensors' addresses in five int64
+arrays — the multi-tensor layout of torch's ``_foreach`` kernels, which a launch per parameter (454 of
+them for the ``small`` preset) would spend in host time.
 """
 
 from __future__ import annotations
@@ -31,10 +36,27 @@ BLOCK = 2048  # elements per program (8 per thread at 8 warps)
 
 
 @triton.jit
-def _master_adamw_kernel(w_ptr, g_ptr, m_ptr, v_ptr, p_ptr, clip_ptr, n, decay, beta1, beta2, eps, step_size,
-                         bc2_sqrt, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
+def _bf16_round_nearest_even(x):
+    """float32 -> bf16, round to nearest even (as ``Tensor.to(torch.bfloat16)``), in integer ops: the same
+    bits as the hardware conversion, and also under TRITON_INTERPRET=1 (whose own conversion truncates)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    rounded = (bits + (((bits >> 16) & 1) + 0x7FFF)) >> 16
+    rounded = tl.where(x != x, 0x7FC0, rounded)  # NaN stays a (quiet) NaN
+    return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _master_adamw_kernel(addresses, numels, block_tensor, block_start, clip_ptr, n_tensors, decay, beta1, beta2,
+                         eps, step_size, bc2_sqrt, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    t = tl.load(block_tensor + pid)                 # which tensor this block belongs to
+    offs = tl.load(block_start + pid) + tl.arange(0, BLOCK)  # int64 element offsets in it
+    mask = offs < tl.load(numels + t)
+    w_ptr = tl.load(addresses + t).to(tl.pointer_type(tl.float32))               # rows of [5, n_tensors]
+    g_ptr = tl.load(addresses + n_tensors + t).to(tl.pointer_type(tl.bfloat16))
+    m_ptr = tl.load(addresses + 2 * n_tensors + t).to(tl.pointer_type(tl.float32))
+    v_ptr = tl.load(addresses + 3 * n_tensors + t).to(tl.pointer_type(tl.float32))
+    p_ptr = tl.load(addresses + 4 * n_tensors + t).to(tl.pointer_type(tl.bfloat16))
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32) * tl.load(clip_ptr)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0) * decay
     m = beta1 * tl.load(m_ptr + offs, mask=mask, other=0.0) + (1.0 - beta1) * g
@@ -46,40 +68,57 @@ def _master_adamw_kernel(w_ptr, g_ptr, m_ptr, v_ptr, p_ptr, clip_ptr, n, decay, 
     tl.store(p_ptr + offs, _bf16_round_nearest_even(w), mask=mask)
 
 
-@triton.jit
-def _bf16_round_nearest_even(x):
-    """float32 -> bf16, round to nearest even (as ``Tensor.to(torch.bfloat16)``), in integer ops: the same
-    bits as the hardware conversion, and also under TRITON_INTERPRET=1 (whose own conversion truncates)."""
-    bits = x.to(tl.uint32, bitcast=True)
-    rounded = (bits + (((bits >> 16) & 1) + 0x7FFF)) >> 16
-    rounded = tl.where(x != x, 0x7FC0, rounded)  # NaN stays a (quiet) NaN
-    return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+_ROLES = (("master", torch.float32), ("grad", torch.bfloat16), ("exp_avg", torch.float32),
+          ("exp_avg_sq", torch.float32), ("param", torch.bfloat16))
+_block_tables: dict[tuple, tuple[Tensor, Tensor, Tensor]] = {}  # (device, numels) -> (numels, block_tensor, block_start)
 
 
-def master_adamw_step_(master: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, param: Tensor,
-                       clip: Tensor, *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
-                       step: int) -> None:
-    """The update of the module docstring, in place on ``master``, ``exp_avg``, ``exp_avg_sq`` (float32)
-    and ``param`` (bf16), from ``grad`` (bf16) and ``clip`` (0-d float32); ``step`` = t, counted from 1.
+def _block_table(device: torch.device, numels: tuple[int, ...]) -> tuple[Tensor, Tensor, Tensor]:
+    """``numels [n]`` int64, and per program ``block_tensor`` (int32) and ``block_start`` (int64), cached
+    per device and list of sizes (a parameter group's sizes do not change)."""
+    key = (device, numels)
+    if key not in _block_tables:
+        blocks = [triton.cdiv(n, BLOCK) for n in numels]
+        tensor_of = torch.repeat_interleave(torch.arange(len(numels), dtype=torch.int32), torch.tensor(blocks))
+        first = torch.tensor([0] + blocks[:-1]).cumsum(0).repeat_interleave(torch.tensor(blocks))  # [blocks]
+        start = (torch.arange(int(sum(blocks))) - first) * BLOCK
+        _block_tables[key] = (torch.tensor(numels, dtype=torch.int64).to(device), tensor_of.to(device),
+                              start.to(device))
+    return _block_tables[key]
 
-    All five tensors must have one shape, be contiguous and on ``clip``'s device (ValueError naming the
-    argument otherwise).
+
+def master_adamw_step_(masters: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
+                       params: list[Tensor], clip: Tensor, *, lr: float, beta1: float, beta2: float, eps: float,
+                       weight_decay: float, step: int) -> None:
+    """The update of the module docstring for every tensor of the lists, in place on ``masters``,
+    ``exp_avgs``, ``exp_avg_sqs`` (float32) and ``params`` (bf16), from ``grads`` (bf16) and ``clip``
+    (0-d float32), in one launch; ``step`` = t, counted from 1, the same for all.
+
+    The five tensors of each index must have one shape, be contiguous and on ``clip``'s device
+    (ValueError naming the list and index otherwise).
     """
     if step < 1:
         raise ValueError(f"step={step}: AdamW steps count from 1")
-    for name, t, dtype in (("master", master, torch.float32), ("exp_avg", exp_avg, torch.float32),
-                           ("exp_avg_sq", exp_avg_sq, torch.float32), ("grad", grad, torch.bfloat16),
-                           ("param", param, torch.bfloat16)):
-        if t.shape != master.shape or t.dtype != dtype or not t.is_contiguous() or t.device != clip.device:
-            raise ValueError(f"master_adamw_step_: {name} must be a contiguous {dtype} tensor of shape "
-                             f"{tuple(master.shape)} on {clip.device}, got {t.dtype} {tuple(t.shape)} on {t.device}"
-                             f"{'' if t.is_contiguous() else ' (not contiguous)'}")
     if clip.numel() != 1 or clip.dtype != torch.float32:
         raise ValueError(f"master_adamw_step_: clip must be a one-element float32 tensor, got {clip.dtype} "
                          f"{tuple(clip.shape)}")
-    n = master.numel()
-    if n == 0:
+    lists = (masters, grads, exp_avgs, exp_avg_sqs, params)
+    if len({len(x) for x in lists}) != 1:
+        raise ValueError(f"master_adamw_step_: the five lists must have one length, got {[len(x) for x in lists]}")
+    shapes = [w.shape for w in masters]
+    fine = all({(t.dtype, t.device) for t in x} <= {(dtype, clip.device)} and [t.shape for t in x] == shapes
+               and all(t.is_contiguous() for t in x) for x, (_, dtype) in zip(lists, _ROLES))
+    for i, tensors in enumerate(() if fine else zip(*lists)):  # the slow look only to name what is wrong
+        for (name, dtype), t in zip(_ROLES, tensors):
+            if t.shape != tensors[0].shape or t.dtype != dtype or not t.is_contiguous() or t.device != clip.device:
+                raise ValueError(f"master_adamw_step_: {name}s[{i}] must be a contiguous {dtype} tensor of shape "
+                                 f"{tuple(tensors[0].shape)} on {clip.device}, got {t.dtype} {tuple(t.shape)} on "
+                                 f"{t.device}{'' if t.is_contiguous() else ' (not contiguous)'}")
+    numels = tuple(w.numel() for w in masters)
+    if sum(numels) == 0:
         return
-    _master_adamw_kernel[(triton.cdiv(n, BLOCK),)](
-        master, grad, exp_avg, exp_avg_sq, param, clip, n, 1.0 - lr * weight_decay, beta1, beta2, eps,
+    sizes, block_tensor, block_start = _block_table(clip.device, numels)
+    addresses = torch.tensor([[t.data_ptr() for t in x] for x in lists], dtype=torch.int64).to(clip.device)  # [5, n]
+    _master_adamw_kernel[(block_tensor.numel(),)](
+        addresses, sizes, block_tensor, block_start, clip, len(masters), 1.0 - lr * weight_decay, beta1, beta2, eps,
         lr / (1.0 - beta1 ** step), math.sqrt(1.0 - beta2 ** step), BLOCK=BLOCK, num_warps=8)

@@ -75,50 +75,9 @@ class SigmoidRouter(nn.Module):
         return self
 
     def forward(self, x: Tensor) -> RouterOutput:
-        scores = torch.sigmoid(router_logits(x, self.weight))  # [N, E] fp32
+        scores = torch.sigmoid(F.linear(x.float(), self.weight.float()))  # [N, E]
         return route_scores(scores, self.e_score_correction_bias, self.top_k, self.routed_scaling_factor,
                             self.renormalize)
-
-
-def router_logits(x: Tensor, weight: Tensor) -> Tensor:
-    """``W_r x`` in float32: x ``[N, D]``, weight ``[E, D]`` -> ``[N, E]`` float32.
-
-    With float32 weights (or inputs): ``F.linear(x.float(), weight.float())``. With both in bf16 (bf16
-    weights, ``TrainConfig.param_dtype="bfloat16"``) the same forward as a bf16 GEMM with float32
-    accumulation and output (:class:`BF16RouterLogits`: the products of bf16 values are exact in float32,
-    so only the order of the float32 sums can differ), and a backward whose two GEMMs take the
-    gradient rounded to bf16, as every other linear layer's backward under bf16 autocast does.
-    """
-    if x.dtype == weight.dtype == torch.bfloat16:
-        return BF16RouterLogits.apply(x, weight)
-    return F.linear(x.float(), weight.float())
-
-
-def mm_float32_out(a: Tensor, b: Tensor) -> Tensor:
-    """``a @ b`` for bf16 ``a``, ``b``, accumulated and returned in float32 (CUDA: ``torch.mm(...,
-    out_dtype=float32)``, one bf16 tensor-core GEMM; elsewhere the float32 GEMM of the same values)."""
-    if a.is_cuda:
-        return torch.mm(a, b, out_dtype=torch.float32)
-    return a.float() @ b.float()
-
-
-class BF16RouterLogits(torch.autograd.Function):
-    r"""``logits = x Wᵀ`` [N, E] float32 from bf16 ``x`` [N, D] and ``W`` [E, D] (see :func:`router_logits`).
-    Backward, with ``ḡ = bf16(∂L/∂logits)``: ``x̄ = ḡ W``, ``W̄ = ḡᵀ x``, both accumulated in float32 and
-    returned in the inputs' dtype (bf16)."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor) -> Tensor:
-        ctx.save_for_backward(x, weight)
-        return mm_float32_out(x, weight.t())  # [N, E]
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        x, weight = ctx.saved_tensors
-        g = grad.to(torch.bfloat16)  # [N, E]
-        dx = mm_float32_out(g, weight).to(x.dtype) if ctx.needs_input_grad[0] else None          # [N, D]
-        dw = mm_float32_out(g.t(), x).to(weight.dtype) if ctx.needs_input_grad[1] else None      # [E, D]
-        return dx, dw
 
 
 def route_scores(scores: Tensor, bias: Tensor, top_k: int, routed_scaling_factor: float = 1.0,
