@@ -23,9 +23,10 @@ recomputed code is deterministic:
   once (a recomputed router would count every token twice). A checkpointed KDA layer keeps only its
   input anyway, so the kernel's own recompute is not needed here, and any backend runs.
 * ``"mixer"``: as "sublayer", but only the token mixers (KDA, Gated MLA) are checkpointed; the MLPs and
-  experts keep what they save. A KDA sublayer keeps about three times as much per token as its
-  recompute costs in projections (its kernel forward runs again in backward under "selective"
-  anyway), so this is the cheaper half of "sublayer".
+  experts keep what they save. The cheaper half of "sublayer" for KDA models: a KDA layer keeps a
+  lot for backward, and under "selective" its kernel forward runs again anyway, so only its
+  projections, convolutions and gates are extra (pure-KDA anchor on an H200: 0.6 GiB less a layer at
+  8 × 4096 tokens for 0.7 ms more a step; ``kernels/TRAIN_RESULTS.md``).
 
 ``layers`` (``TrainConfig.recompute_layers``), with "mixer" or "sublayer": checkpoint only that many
 decoder layers, spread evenly over the depth (:func:`recompute_layer_indices`; the MTP block counts as

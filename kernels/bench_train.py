@@ -7,7 +7,8 @@
 
 A config is ``MODEL-BxT`` (batch B of T tokens, synthetic random token ids, no downloads), optionally
 with per-config settings that override the command line's, e.g.
-``small-16x1024@compile=sublayer,recompute=selective,fused_loss=on,param_dtype=bfloat16``:
+``small-16x1024@compile=sublayer,recompute=selective,fused_loss=on,param_dtype=bfloat16`` or
+``kda-anchor-8x4096@recompute=mixer,recompute_layers=16`` (``TrainConfig.recompute_layers``):
 
 * ``small``      the ``small`` preset (hybrid KDA + Gated MLA, LatentMoE, Attention Residuals);
 * ``kda-anchor`` a pure-KDA dense k3lab model shaped like fla's anchor: 24 layers, D = 1024, 8 KDA heads
@@ -41,17 +42,19 @@ configs for fla 0.6.0 + triton 3.6; ``--fla-autotune-cache TGZ`` unpacks a tarba
 folder when ``TRITON_CACHE_DIR`` is unset); the first-step column shows what remained.
 
 Measured on one H200 (2026-12-02, torch 2.11, triton 3.6, fla 0.6.0 with its autotune caches), bf16
-autocast, AdamW, 1 + 1 warm-up + 3 timed steps, one invocation, every k3lab row with ``compile=sublayer,
-fused_loss=on`` (the whole table and a profile: ``kernels/TRAIN_RESULTS.md``, last section):
+autocast, AdamW, 1 + 1 warm-up + 3 timed steps, one invocation, fla's model first and last, every k3lab row
+with ``compile=sublayer, fused_loss=on, param_dtype=bfloat16`` (the whole table, two more invocations and a
+profile: ``kernels/TRAIN_RESULTS.md``, last section):
 
-| config | recompute | weights | ms/step | tokens/s | MFU | peak GiB |
-|---|---|---|---|---|---|---|
-| kda-anchor-8x4096 | none | fp32 | 330.9 | 99,027 | 28.1% | 63.0 |
-| kda-anchor-8x4096 | selective | bf16 + fp32 master | 328.3 | 99,811 | 28.3% | 43.4 |
-| kda-anchor-8x4096 | sublayer | bf16 + fp32 master | 363.6 | 90,121 | 25.5% | 21.0 |
-| fla-kda-anchor-8x4096 | (fla) | bf16 | 344.4 | 95,145 | 25.6% | 34.7 |
-| small-16x1024 | sublayer | bf16 + fp32 master | 258.3 | 63,430 | 16.9% | 36.3 |
-| small-8x4096 | selective | bf16 + fp32 master | 378.8 | 86,505 | 23.1% | 76.8 |
+| config | recompute | ms/step | tokens/s | MFU | peak GiB |
+|---|---|---|---|---|---|
+| fla-kda-anchor-8x4096 (first / last) | (fla) | 345.2 / 340.8 | 94,925 / 96,150 | 25.5% / 25.9% | 34.7 |
+| kda-anchor-8x4096 | selective | 328.7 | 99,690 | 28.2% | 43.4 |
+| kda-anchor-8x4096 | mixer | 344.7 | 95,062 | 26.9% | 28.9 |
+| kda-anchor-8x4096 | sublayer, recompute_layers=12 | 346.1 | 94,678 | 26.8% | 32.8 |
+| small-16x1024 | selective | 190.6 | 85,960 | 23.0% | 49.7 |
+| small-16x1024 | sublayer | 244.7 | 66,955 | 17.9% | 36.3 |
+| small-8x4096 | selective | 370.9 | 88,347 | 23.6% | 76.8 |
 """
 
 from __future__ import annotations

@@ -102,7 +102,10 @@ class LocalDispatcher:
         flat = topk_idx.reshape(-1)                                   # [N·k]
         order = flat.argsort(stable=True)                             # [N·k]
         counts = expert_load(flat, num_experts)                       # [E], no host sync
-        return DispatchRows.apply(x, order, k), DispatchPlan(order, counts, N, k)
+        # CUDA: index_select's backward is index_add with atomics (bf16: k rounded adds a row, in no fixed
+        # order); DispatchRows sums the k slots in float32 instead. CPU: index_add adds in order, no atomics
+        x_sorted = DispatchRows.apply(x, order, k) if x.is_cuda else x.index_select(0, order // k)
+        return x_sorted, DispatchPlan(order, counts, N, k)
 
     def combine(self, y_sorted: Tensor, plan: DispatchPlan, topk_weight: Tensor) -> Tensor:
         """y_sorted [N·k, L] (expert outputs), topk_weight [N, k] fp32 -> u [N, L] fp32 = Σ_j p_j·y_j."""
