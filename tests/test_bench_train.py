@@ -34,6 +34,10 @@ def test_config_names():
     assert spec.option("recompute", "none") == "selective" and spec.option("fused_loss", "off") == "off"
     with pytest.raises(ValueError, match="option 'recompute=all'.*recompute=none|selective|sublayer"):
         bench.parse_config("small-16x1024@recompute=all")
+    spec = bench.parse_config("kda-anchor-8x4096@recompute=mixer,recompute_layers=16")
+    assert spec.option("recompute", "none") == "mixer" and spec.option("recompute_layers", None) == "16"
+    with pytest.raises(ValueError, match=r"option 'recompute_layers=half'.*recompute_layers=N \(an int >= 0\)"):
+        bench.parse_config("small-16x1024@recompute=sublayer,recompute_layers=half")
 
 
 def test_param_dtype_option():
