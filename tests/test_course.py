@@ -146,3 +146,26 @@ def test_usage_errors_exit_2_before_running(course, tmp_path, capsys):
 def test_run_course_only_subset(course, tmp_path):
     results = run_course(course, tmp_path / "runs", only="01", params={"steps": 2})
     assert [(r.name, r.status, r.headline) for r in results] == [("01_steps", "ok", "steps=2")]
+
+
+def test_every_course_notebook_accepts_the_course_default_device():
+    """``python -m k3lab course`` passes ``device="auto"`` to every notebook that has a ``device``
+    parameter: each one's ``check_param("device", ...)`` must allow it (notebook 12 once allowed only
+    cpu/cuda, and the README's course command failed there)."""
+    import re
+    from pathlib import Path
+
+    from k3lab.config import DEVICES
+
+    notebooks = find_notebooks(Path(__file__).resolve().parents[1] / "notebooks")
+    assert len(notebooks) >= 15
+    checked = 0
+    for path in notebooks.values():
+        source = "\n".join(c.source for c in nbformat.read(str(path), as_version=4).cells if c.cell_type == "code")
+        if "device" not in notebook_parameters(path):
+            continue
+        for call in re.findall(r'check_param\("device", device, choices=([^)\n]*\)?)\)', source):
+            checked += 1
+            allowed = DEVICES if call.strip() == "DEVICES" else eval(call, {"DEVICES": DEVICES})  # noqa: S307
+            assert "auto" in allowed, f"{path.name}: device choices {allowed} lack the course's 'auto'"
+    assert checked >= 1
