@@ -46,7 +46,7 @@ from k3lab.checkpoint import (CHECKPOINT_FORMAT, _plain_config, _set_rng_state, 
 from k3lab.compile import COMPILE_MODES, compile_model
 from k3lab.memory import LAYERED_MODES, RECOMPUTE_MODES, apply_recompute
 from k3lab.optim import build_optimizer, set_lr
-from k3lab.precision import PARAM_DTYPES, MasterWeightOptimizer, cast_params_
+from k3lab.precision import MOMENT_DTYPES, PARAM_DTYPES, MasterWeightOptimizer, cast_params_
 
 OPTIMIZERS = ("adamw", "muon")
 DTYPES = ("float32", "bfloat16")
@@ -54,7 +54,7 @@ DTYPES = ("float32", "bfloat16")
 PRECISIONS = (("float32", "float32"), ("bfloat16", "float32"), ("bfloat16", "bfloat16"))
 # fields whose change alters the trajectory of a resumed run (a warning names them)
 TRAJECTORY_FIELDS = ("steps", "lr", "min_lr_ratio", "warmup_steps", "warmup_frac", "weight_decay", "betas",
-                     "grad_clip", "optimizer", "optimizer_kwargs", "seed", "dtype", "param_dtype")
+                     "grad_clip", "optimizer", "optimizer_kwargs", "seed", "dtype", "param_dtype", "moment_dtype")
 
 
 @dataclass
@@ -82,6 +82,8 @@ class TrainConfig:
     dtype: str = "float32"                    # "float32" | "bfloat16" (autocast; weights as param_dtype)
     param_dtype: str = "float32"              # PARAM_DTYPES: "float32" = params as the model has them, stepped directly |
                                               # "bfloat16" = cast to bf16, fp32 master weights (k3lab.precision)
+    moment_dtype: str = "float32"             # MOMENT_DTYPES: AdamW's m and v; "bfloat16" needs param_dtype="bfloat16",
+                                              # AdamW and the fused step (CUDA): 4 bytes a parameter less
     fused_loss: bool = False                  # True: set model.fused_loss (K3: chunked linear CE); False: leave it
     compile: str = "none"                     # COMPILE_MODES: "none" (eager) | "sublayer" (k3lab.compile)
     recompute: str = "none"                   # RECOMPUTE_MODES: "none" | "selective" | "mixer" | "sublayer" (k3lab.memory)
@@ -116,6 +118,10 @@ class TrainConfig:
         need((self.dtype, self.param_dtype) in PRECISIONS, "param_dtype",
              f"needs TrainConfig.dtype='bfloat16' (bf16 autocast), got TrainConfig.dtype={self.dtype!r}; "
              f"allowed (dtype, param_dtype) combinations are {PRECISIONS}")
+        need(self.moment_dtype in MOMENT_DTYPES, "moment_dtype", f"allowed values are {MOMENT_DTYPES}")
+        need(self.moment_dtype == "float32" or (self.param_dtype == "bfloat16" and self.optimizer == "adamw"),
+             "moment_dtype", "'bfloat16' needs TrainConfig.param_dtype='bfloat16' and optimizer='adamw' (the fused "
+             f"master-weight AdamW step keeps them), got param_dtype={self.param_dtype!r}, optimizer={self.optimizer!r}")
         need(isinstance(self.fused_loss, bool), "fused_loss", "must be a bool")
         need(self.compile in COMPILE_MODES, "compile", f"allowed values are {COMPILE_MODES}")
         need(self.recompute in RECOMPUTE_MODES, "recompute", f"allowed values are {RECOMPUTE_MODES}")
@@ -271,7 +277,7 @@ def fit(model: nn.Module, train_batches, cfg: TrainConfig, val_batches=None,
                                 betas=cfg.betas, **cfg.optimizer_kwargs)
     masters = None
     if cfg.param_dtype != "float32":  # step fp32 masters of the parameters (set_lr and checkpoints see its groups, state)
-        optimizer = masters = MasterWeightOptimizer(model, optimizer)
+        optimizer = masters = MasterWeightOptimizer(model, optimizer, moment_dtype=cfg.moment_dtype)
     torch.manual_seed(cfg.seed)
     step, tokens, elapsed_before, history, checkpoint = 0, 0, 0.0, [], None
     if resume_from is not None:

@@ -81,7 +81,7 @@ if ROOT not in sys.path:  # run as a script from anywhere: the repo's k3lab firs
 
 from k3lab.compile import COMPILE_MODES  # noqa: E402
 from k3lab.memory import RECOMPUTE_MODES  # noqa: E402
-from k3lab.precision import PARAM_DTYPES  # noqa: E402
+from k3lab.precision import MOMENT_DTYPES, PARAM_DTYPES  # noqa: E402
 from k3lab.train import PRECISIONS  # noqa: E402
 
 MODELS = ("small", "kda-anchor", "fla-kda-anchor", "tiny")
@@ -106,13 +106,13 @@ class Spec:
 
 
 OPTIONS = {"compile": COMPILE_MODES, "recompute": RECOMPUTE_MODES, "fused_loss": ("on", "off"),
-           "param_dtype": PARAM_DTYPES, "recompute_layers": ("N (an int >= 0)",)}
+           "param_dtype": PARAM_DTYPES, "moment_dtype": MOMENT_DTYPES, "recompute_layers": ("N (an int >= 0)",)}
 INT_OPTIONS = ("recompute_layers",)  # options whose value is an int, not one of a list
 
 
 def parse_config(name: str) -> Spec:
     """``MODEL-BxT[@key=value,...]`` -> Spec; ValueError naming the allowed forms otherwise. The options
-    (:data:`OPTIONS`: compile, recompute, fused_loss, param_dtype) override the command-line settings for
+    (:data:`OPTIONS`: compile, recompute, fused_loss, param_dtype, moment_dtype) override the command-line settings for
     this config (fla's model ignores them: its row shows what it ran with)."""
     m = re.fullmatch(r"(.+?)-(\d+)x(\d+)(?:@(.+))?", name)
     if m is None or m.group(1) not in MODELS or int(m.group(2)) < 1 or int(m.group(3)) < 2:
@@ -230,8 +230,10 @@ def run_config(spec: Spec, args) -> dict:
         model, active, total = build_model(spec, args, device)
         row.update(params_active=active, params_total=total)
         param_dtype = "float32" if is_fla else spec.option("param_dtype", args.param_dtype)
+        moment_dtype = "float32" if is_fla else spec.option("moment_dtype", args.moment_dtype)
         if not is_fla:
-            row["weights"] = param_dtype + (" (fp32 master)" if param_dtype != "float32" else "")
+            row["weights"] = (param_dtype + (" (fp32 master)" if param_dtype != "float32" else "")
+                              + (f", {moment_dtype} moments" if moment_dtype != "float32" else ""))
             row["fused_loss"] = "on" if fused_loss else "off"
         vocab = model.config.vocab_size
         gen = torch.Generator(device=device).manual_seed(1)
@@ -248,7 +250,7 @@ def run_config(spec: Spec, args) -> dict:
         steps = 1 + args.warmup + args.steps
         dtype = "float32" if is_fla and args.fla_weights == "bfloat16" else args.dtype
         cfg = TrainConfig(steps=steps, lr=1e-3, warmup_steps=0, optimizer=args.optimizer, device=str(device),
-                          dtype=dtype, param_dtype=param_dtype, fused_loss=fused_loss, compile=row["compile"],
+                          dtype=dtype, param_dtype=param_dtype, moment_dtype=moment_dtype, fused_loss=fused_loss, compile=row["compile"],
                           recompute=row["recompute"], recompute_layers=row.get("recompute_layers"),
                           progress=False, name=spec.name)
         t0 = time.perf_counter()
@@ -320,7 +322,7 @@ def child_command(name: str, out: str, args) -> list[str]:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", name, "--child-out", out,
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--dtype", args.dtype,
            "--optimizer", args.optimizer, "--compile", args.compile, "--recompute", args.recompute,
-           "--param-dtype", args.param_dtype, "--device", args.device,
+           "--param-dtype", args.param_dtype, "--moment-dtype", args.moment_dtype, "--device", args.device,
            "--peak-flops", repr(args.peak_flops), "--fla-weights", args.fla_weights]
     return cmd + (["--fused-loss"] if args.fused_loss else [])
 
@@ -355,6 +357,8 @@ def main(argv=None):
                         help="TrainConfig.compile for the k3lab configs (default %(default)s)")
     parser.add_argument("--recompute", default="none", choices=RECOMPUTE_MODES,
                         help="TrainConfig.recompute for the k3lab configs (k3lab.memory; default %(default)s)")
+    parser.add_argument("--moment-dtype", default="float32", choices=MOMENT_DTYPES,
+                        help="k3lab: AdamW moment dtype (TrainConfig.moment_dtype; bfloat16 needs param_dtype bfloat16)")
     parser.add_argument("--param-dtype", default="float32", choices=PARAM_DTYPES,
                         help="k3lab: weight dtype (TrainConfig.param_dtype): bfloat16 = bf16 weights with fp32 master "
                              "weights, needs --dtype bfloat16 (default %(default)s)")

@@ -31,7 +31,7 @@ from k3lab.config import ModelConfig
 from k3lab.memory import RECOMPUTE_MODES, apply_recompute
 from k3lab.model import K3ForCausalLM
 from k3lab.optim import build_optimizer
-from k3lab.precision import PARAM_DTYPES, MasterWeightOptimizer, cast_params_
+from k3lab.precision import MOMENT_DTYPES, PARAM_DTYPES, MasterWeightOptimizer, cast_params_
 
 KINDS = [  # (kind, regex on the CUDA kernel name), first match wins
     ("our KDA kernels (Triton)", r"^kda_"),
@@ -108,6 +108,63 @@ def print_live(step_forward, dev, tokens: int, top: int) -> None:
         print(f"  {b / 2**30:8.2f} GiB  {b / tokens / 1024:7.1f} KiB/token  {site}")
 
 
+def gpu_gaps(prof, min_us: float = 10.0) -> tuple[list[tuple[float, float]], float]:
+    """The GPU's idle intervals inside the profiled step, ``([(start_us, length_us), ...], total_us)``: the
+    gaps between consecutive kernels (merged over streams) longer than ``min_us``."""
+    spans = sorted((ev.time_range.start, ev.time_range.end) for ev in prof.events()
+                   if ev.device_type == torch.autograd.DeviceType.CUDA and not getattr(ev, "is_user_annotation", False))
+    gaps, end = [], None
+    for start, stop in spans:
+        if end is not None and start - end > min_us:
+            gaps.append((end, start - end))
+        end = stop if end is None else max(end, stop)
+    return gaps, sum(g for _, g in gaps)
+
+
+def print_gaps(prof, top: int) -> None:
+    """GPU idle time by what the host was doing then: each gap is charged to the innermost CPU op running at
+    its middle (an aten op, a compiled graph, an autograd node...), shown with the outermost one around it."""
+    import heapq
+
+    gaps, total = gpu_gaps(prof)
+    cpu = sorted(((ev.time_range.start, ev.time_range.end, ev.name) for ev in prof.events()
+                  if ev.device_type == torch.autograd.DeviceType.CPU), key=lambda e: e[0])
+    by, active, i = {}, [], 0  # active: heap of (end, start, name) of the CPU ops begun before the gap's middle
+    for start, length in sorted(gaps):
+        mid = start + length / 2
+        while i < len(cpu) and cpu[i][0] <= mid:
+            heapq.heappush(active, (cpu[i][1], cpu[i][0], cpu[i][2]))
+            i += 1
+        while active and active[0][0] < mid:
+            heapq.heappop(active)
+        running = sorted(active, key=lambda e: e[0] - e[1])  # innermost (shortest) first
+        name = running[0][2] if running else "(no CPU op: Python between ops)"
+        outer = running[-1][2] if running else ""
+        key = f"{name[:70]}  [in {outer[:50]}]" if outer and outer != name else name[:120]
+        n, t = by.get(key, (0, 0.0))
+        by[key] = (n + 1, t + length)
+    print(f"GPU idle inside the step: {total / 1e3:.1f} ms in {len(gaps)} gaps > 10 us; by the host op running then:")
+    for key, (n, t) in sorted(by.items(), key=lambda kv: -kv[1][1])[:top]:
+        print(f"  {t / 1e3:8.2f} ms  {n:5d} gaps  {key}")
+
+
+def export_trace(prof, path: str) -> None:
+    """The profiled step as a Chrome trace (gzipped when ``path`` ends in .gz)."""
+    import gzip
+    import os
+    import tempfile
+
+    if not path.endswith(".gz"):
+        prof.export_chrome_trace(path)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(raw)
+        with open(raw, "rb") as src, gzip.open(path, "wb") as dst:
+            dst.write(src.read())
+    print(f"trace written to {path}")
+
+
 def print_saved(cfg, args, dev, x) -> None:
     model = K3ForCausalLM(cfg).to(dev).train()
     model.fused_loss = args.fused_loss
@@ -136,21 +193,36 @@ def main():
                         help="with --recompute mixer|sublayer: checkpoint this many decoder layers (TrainConfig.recompute_layers)")
     parser.add_argument("--compile-mode", default=None, choices=("default", "reduce-overhead", "max-autotune-no-cudagraphs"),
                         help="torch.compile's mode for --compile sublayer (an experiment: fit compiles with the default)")
+    parser.add_argument("--functorch", action="append", default=[], metavar="KEY=VALUE",
+                        help="an experiment: set torch._functorch.config.KEY (a Python literal) before compiling, e.g. "
+                             "activation_memory_budget=0.5 (AOTAutograd's partitioner: what compiled graphs save)")
     parser.add_argument("--fused-loss", action="store_true", help="chunked linear cross-entropy (model.fused_loss)")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--optimizer", default="adamw", choices=("adamw", "muon"))
     parser.add_argument("--param-dtype", default="float32", choices=PARAM_DTYPES,
                         help="bfloat16: bf16 weights with fp32 master weights (TrainConfig.param_dtype)")
+    parser.add_argument("--moment-dtype", default="float32", choices=MOMENT_DTYPES,
+                        help="bfloat16: AdamW moments in bf16 (TrainConfig.moment_dtype; needs --param-dtype bfloat16)")
     parser.add_argument("--steps", type=int, default=5, help="timed steps (after 3 warm-up steps)")
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a smoke test only")
     parser.add_argument("--saved", action="store_true", help="also print what one forward saves for backward")
     parser.add_argument("--live", action="store_true", help="also print what one forward leaves allocated (CUDA)")
+    parser.add_argument("--trace", default=None, help="write the profiled step's Chrome trace here (.json.gz: gzipped)")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA GPU here")
     dev = torch.device(args.device)
+    for item in args.functorch:
+        import ast
+
+        import torch._functorch.config as functorch_config
+
+        key, _, value = item.partition("=")
+        if not hasattr(functorch_config, key):
+            raise SystemExit(f"--functorch {item!r}: torch._functorch.config has no {key!r}")
+        setattr(functorch_config, key, ast.literal_eval(value))
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
 
     if args.preset == "kda-anchor":
@@ -170,7 +242,7 @@ def main():
         compile_model(model, args.compile)
     opt = build_optimizer(model, args.optimizer, lr=1e-3, weight_decay=0.1)
     if args.param_dtype != "float32":
-        opt = MasterWeightOptimizer(model, opt)
+        opt = MasterWeightOptimizer(model, opt, moment_dtype=args.moment_dtype)
     x = torch.randint(0, cfg.vocab_size, (args.batch_size, args.seq_len), device=dev)
 
     def step():
@@ -232,6 +304,9 @@ def main():
     print("top CUDA kernels (ms in one step):")
     for name, t in sorted(gpu.items(), key=lambda kv: -kv[1])[:args.top]:
         print(f"  {t:8.2f}  {name[:100]}")
+    print_gaps(prof, args.top)
+    if args.trace:
+        export_trace(prof, args.trace)
     print("top CPU ops by self time (ms in one step):")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top, max_name_column_width=60))
     if args.live and dev.type == "cuda":

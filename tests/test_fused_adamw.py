@@ -138,3 +138,101 @@ def test_kernel_inputs_checked():
         master_adamw_step_(*lists[:4], lists[4][:1], clip, **ok)
     with pytest.raises(ValueError, match="step=0: AdamW steps count from 1"):
         master_adamw_step_(*lists, clip, **{**ok, "step": 0})
+
+
+def reference_bf16_moment_step(w, m, v, g, clip, *, lr, beta1, beta2, eps, weight_decay, step):
+    """The module docstring's update in plain float32 PyTorch, with m and v rounded to bf16 after their
+    update (what the next step reads) -> (w, m, v, p) — an independent reference for the kernel."""
+    g = clip * g.float()
+    w = w * (1 - lr * weight_decay)
+    m = (beta1 * m.float() + (1 - beta1) * g).to(torch.bfloat16)
+    v = (beta2 * v.float() + (1 - beta2) * g * g).to(torch.bfloat16)
+    denom = v.float().sqrt() / (1 - beta2 ** step) ** 0.5 + eps
+    w = w - (lr / (1 - beta1 ** step)) * m.float() / denom
+    return w, m, v, w.to(torch.bfloat16)
+
+
+@needs_kernels
+def test_bf16_moments_kernel_equals_the_plain_formula():
+    """Three steps of the kernel with bf16 m and v against :func:`reference_bf16_moment_step`: moments equal
+    to the bit where the float32 values before rounding agree (all but rounding-boundary ties: ≤ 1 bf16 ulp),
+    masters within float32 rounding, p = bf16(w)."""
+    from k3lab.kernels.adamw import master_adamw_step_
+
+    gen = torch.Generator().manual_seed(3)
+    shapes = [(70, 33), (5,), (2100,)]  # one tensor over a kernel block
+    w = [torch.randn(*s, generator=gen).to(DEVICE) for s in shapes]
+    m = [torch.zeros(*s, dtype=torch.bfloat16, device=DEVICE) for s in shapes]
+    v = [torch.zeros(*s, dtype=torch.bfloat16, device=DEVICE) for s in shapes]
+    p = [x.to(torch.bfloat16) for x in w]
+    ref = [(x.clone(), a.clone(), b.clone()) for x, a, b in zip(w, m, v)]
+    hyper = dict(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+    for step in range(1, 4):
+        g = [torch.randn(*s, generator=gen).to(DEVICE, torch.bfloat16) for s in shapes]
+        clip = torch.tensor(0.5 if step == 1 else 1.0, device=DEVICE)
+        master_adamw_step_(w, g, m, v, p, clip, step=step, **hyper)
+        ref = [reference_bf16_moment_step(*r, gi, clip, step=step, **hyper)[:3] for r, gi in zip(ref, g)]
+        for i, (rw, rm, rv) in enumerate(ref):
+            assert m[i].dtype == v[i].dtype == torch.bfloat16
+            for name, got, want in (("exp_avg", m[i], rm), ("exp_avg_sq", v[i], rv)):
+                ulp = torch.finfo(torch.bfloat16).eps * want.float().abs()
+                assert ((got.float() - want.float()).abs() <= ulp).all(), (name, step, i)
+                assert (got == want).float().mean() > 0.99, (name, step, i)  # almost all bits equal
+            assert_close(f"master {i}, step {step}", rw, w[i], 1e-5)
+            assert torch.equal(p[i], w[i].to(torch.bfloat16))
+
+
+@needs_kernels
+def test_bf16_moments_optimizer_state_and_resume():
+    """MasterWeightOptimizer(moment_dtype="bfloat16"): bf16 moments in torch's AdamW state, within bf16 rounding
+    of the float32-moment run after the first step (later steps see other gradients: this toy loss amplifies
+    sub-ulp weight differences); after three steps a saved state resumes bit for bit (moments stay bf16)."""
+    ref_model, got_model = bf16_model(), bf16_model()
+    ref_opt = wrapped(ref_model, fused=True)
+    got_opt = MasterWeightOptimizer(got_model, build_optimizer(got_model, "adamw", lr=3e-2, weight_decay=0.1),
+                                    moment_dtype="bfloat16")
+    for step in range(3):
+        for model, opt in ((ref_model, ref_opt), (got_model, got_opt)):
+            backward(model, seed=step)
+            opt.clip_grad_norm_(1.0)
+            opt.step()
+            opt.zero_grad()
+        for w_ref, w in zip(ref_opt.masters, got_opt.masters) if step == 0 else ():
+            for key in ("exp_avg", "exp_avg_sq"):
+                got, want = got_opt.state[w][key], ref_opt.state[w_ref][key]
+                assert got.dtype == torch.bfloat16 and want.dtype == torch.float32
+                assert_close(key, want, got.float(), 1e-2)  # bf16 keeps 8 significant bits
+            assert_close("master", w_ref, w, 1e-2)
+    state = copy.deepcopy(got_opt.state_dict())
+    runs = []
+    for _ in range(2):
+        model = copy.deepcopy(got_model)
+        opt = MasterWeightOptimizer(model, build_optimizer(model, "adamw", lr=3e-2, weight_decay=0.1),
+                                    moment_dtype="bfloat16")
+        opt.load_state_dict(copy.deepcopy(state))
+        assert all(s["exp_avg"].dtype == torch.bfloat16 for s in opt.state.values())
+        backward(model, seed=3)
+        opt.clip_grad_norm_(1.0)
+        opt.step()
+        runs.append(opt)
+    backward(got_model, seed=3)
+    got_opt.clip_grad_norm_(1.0)
+    got_opt.step()
+    for opt in runs:
+        for w_ref, w in zip(got_opt.masters, opt.masters):
+            assert torch.equal(w_ref, w)
+            assert torch.equal(got_opt.state[w_ref]["exp_avg_sq"], opt.state[w]["exp_avg_sq"])
+
+
+def test_bf16_moments_refused_where_the_fused_step_does_not_run():
+    from k3lab.train import TrainConfig
+
+    model = bf16_model()
+    with pytest.raises(ValueError, match=r"moment_dtype='float16': allowed values are \('float32', 'bfloat16'\)"):
+        MasterWeightOptimizer(model, build_optimizer(model, "adamw", lr=1e-2), moment_dtype="float16")
+    with pytest.raises(ValueError, match="moment_dtype='bfloat16' needs the fused AdamW step"):
+        MasterWeightOptimizer(model, build_optimizer(model, "adamw", lr=1e-2), fused=False, moment_dtype="bfloat16")
+    with pytest.raises(ValueError, match=r"TrainConfig.moment_dtype='bfloat16': 'bfloat16' needs TrainConfig.param_dtype"):
+        TrainConfig(dtype="bfloat16", moment_dtype="bfloat16")
+    with pytest.raises(ValueError, match="optimizer='muon'"):
+        TrainConfig(dtype="bfloat16", param_dtype="bfloat16", optimizer="muon", moment_dtype="bfloat16")

@@ -11,6 +11,13 @@ learning rate ``lr``, betas ``β1, β2``, ``ε``, weight decay ``λ`` and the pa
     w ← w − (lr / (1 − β1ᵗ)) · m / (√v / √(1 − β2ᵗ) + ε)
     p ← bf16(w)                                         round to nearest even
 
+The moments ``m, v`` are stored in float32, or in bf16 (``moment_dtype=torch.bfloat16``: 4 bytes a
+parameter less, 20 bytes of traffic instead of 28): then they are read into float32, updated as above and
+rounded to nearest even on the way out (as ``torch.optim.AdamW`` keeps them for bf16 parameters, fla's
+setting). A bf16 moment has 8 significant bits: an update ``(1 − β)·(x − m)`` smaller than half a bf16 ulp
+of ``m`` rounds away, so ``v`` follows slow drifts of ``g²`` (a few percent over ``1/(1 − β2)`` steps)
+only once they add up past that; the master ``w`` stays float32.
+
 — ``torch.optim.AdamW``'s update, in the order of operations of its fused CUDA kernel, applied to the
 master ``w`` after ``w.grad = c·float32(ĝ)``. One pass: it reads ĝ, w, m, v and writes w, m, v, p
 (28 bytes a parameter), where converting the gradient, clipping it, stepping and copying back are four
@@ -46,30 +53,83 @@ def _bf16_round_nearest_even(x):
 
 
 @triton.jit
+def _load(ptr, offs, mask, MASKED: tl.constexpr):
+    if MASKED:
+        return tl.load(ptr + offs, mask=mask, other=0.0)
+    else:
+        return tl.load(ptr + offs)
+
+
+@triton.jit
+def _store(ptr, offs, value, mask, MASKED: tl.constexpr):
+    if MASKED:
+        tl.store(ptr + offs, value, mask=mask)
+    else:
+        tl.store(ptr + offs, value)
+
+
+@triton.jit
+def _adamw_elements(w_ptr, g_ptr, m_ptr, v_ptr, p_ptr, offs, mask, clip, decay, beta1, beta2, eps, step_size,
+                    bc2_sqrt, MOMENTS_BF16: tl.constexpr, MASKED: tl.constexpr):
+    """The update of the module docstring on the elements ``offs`` of one tensor (``mask``: those < numel)."""
+    g = _load(g_ptr, offs, mask, MASKED).to(tl.float32) * clip
+    w = _load(w_ptr, offs, mask, MASKED) * decay
+    m = beta1 * _load(m_ptr, offs, mask, MASKED).to(tl.float32) + (1.0 - beta1) * g
+    v = beta2 * _load(v_ptr, offs, mask, MASKED).to(tl.float32) + (1.0 - beta2) * g * g
+    if MOMENTS_BF16:  # the stored moments are what the next step reads: round them first, as torch does
+        m = _bf16_round_nearest_even(m).to(tl.float32)
+        v = _bf16_round_nearest_even(v).to(tl.float32)
+    w = w - step_size * m / (tl.sqrt(v) / bc2_sqrt + eps)
+    _store(w_ptr, offs, w, mask, MASKED)
+    if MOMENTS_BF16:
+        _store(m_ptr, offs, m.to(tl.bfloat16), mask, MASKED)  # exact: m is a bf16 value already
+        _store(v_ptr, offs, v.to(tl.bfloat16), mask, MASKED)
+    else:
+        _store(m_ptr, offs, m, mask, MASKED)
+        _store(v_ptr, offs, v, mask, MASKED)
+    _store(p_ptr, offs, _bf16_round_nearest_even(w), mask, MASKED)
+
+
+@triton.jit
 def _master_adamw_kernel(addresses, numels, block_tensor, block_start, clip_ptr, n_tensors, decay, beta1, beta2,
-                         eps, step_size, bc2_sqrt, BLOCK: tl.constexpr):
+                         eps, step_size, bc2_sqrt, BLOCK: tl.constexpr, MOMENTS_BF16: tl.constexpr,
+                         ALIGNED: tl.constexpr):
     pid = tl.program_id(0)
     t = tl.load(block_tensor + pid)                 # which tensor this block belongs to
-    offs = tl.load(block_start + pid) + tl.arange(0, BLOCK)  # int64 element offsets in it
-    mask = offs < tl.load(numels + t)
+    start = tl.multiple_of(tl.load(block_start + pid), BLOCK)  # int64, a multiple of BLOCK
+    offs = start + tl.arange(0, BLOCK)              # element offsets in the tensor
+    numel = tl.load(numels + t)
     w_ptr = tl.load(addresses + t).to(tl.pointer_type(tl.float32))               # rows of [5, n_tensors]
     g_ptr = tl.load(addresses + n_tensors + t).to(tl.pointer_type(tl.bfloat16))
-    m_ptr = tl.load(addresses + 2 * n_tensors + t).to(tl.pointer_type(tl.float32))
-    v_ptr = tl.load(addresses + 3 * n_tensors + t).to(tl.pointer_type(tl.float32))
+    if MOMENTS_BF16:
+        m_ptr = tl.load(addresses + 2 * n_tensors + t).to(tl.pointer_type(tl.bfloat16))
+        v_ptr = tl.load(addresses + 3 * n_tensors + t).to(tl.pointer_type(tl.bfloat16))
+    else:
+        m_ptr = tl.load(addresses + 2 * n_tensors + t).to(tl.pointer_type(tl.float32))
+        v_ptr = tl.load(addresses + 3 * n_tensors + t).to(tl.pointer_type(tl.float32))
     p_ptr = tl.load(addresses + 4 * n_tensors + t).to(tl.pointer_type(tl.bfloat16))
-    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32) * tl.load(clip_ptr)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0) * decay
-    m = beta1 * tl.load(m_ptr + offs, mask=mask, other=0.0) + (1.0 - beta1) * g
-    v = beta2 * tl.load(v_ptr + offs, mask=mask, other=0.0) + (1.0 - beta2) * g * g
-    w = w - step_size * m / (tl.sqrt(v) / bc2_sqrt + eps)
-    tl.store(w_ptr + offs, w, mask=mask)
-    tl.store(m_ptr + offs, m, mask=mask)
-    tl.store(v_ptr + offs, v, mask=mask)
-    tl.store(p_ptr + offs, _bf16_round_nearest_even(w), mask=mask)
+    if ALIGNED:  # every address 16-byte aligned (checked on the host): 16-byte vector loads and stores
+        w_ptr = tl.multiple_of(w_ptr, 16)
+        g_ptr = tl.multiple_of(g_ptr, 16)
+        m_ptr = tl.multiple_of(m_ptr, 16)
+        v_ptr = tl.multiple_of(v_ptr, 16)
+        p_ptr = tl.multiple_of(p_ptr, 16)
+    clip = tl.load(clip_ptr)
+    if start + BLOCK <= numel:  # a full block: no mask, so the loads vectorize
+        _adamw_elements(w_ptr, g_ptr, m_ptr, v_ptr, p_ptr, offs, offs, clip, decay, beta1, beta2, eps, step_size,
+                        bc2_sqrt, MOMENTS_BF16, False)
+    else:                       # a tensor's last, partial block
+        _adamw_elements(w_ptr, g_ptr, m_ptr, v_ptr, p_ptr, offs, offs < numel, clip, decay, beta1, beta2, eps,
+                        step_size, bc2_sqrt, MOMENTS_BF16, True)
 
 
-_ROLES = (("master", torch.float32), ("grad", torch.bfloat16), ("exp_avg", torch.float32),
-          ("exp_avg_sq", torch.float32), ("param", torch.bfloat16))
+MOMENT_DTYPES = (torch.float32, torch.bfloat16)  # what the kernel stores m and v in
+
+
+def _roles(moment_dtype: torch.dtype) -> tuple[tuple[str, torch.dtype], ...]:
+    """(name, dtype) of the five tensor lists, in the kernel's order."""
+    return (("master", torch.float32), ("grad", torch.bfloat16), ("exp_avg", moment_dtype),
+            ("exp_avg_sq", moment_dtype), ("param", torch.bfloat16))
 _block_tables: dict[tuple, tuple[Tensor, Tensor, Tensor]] = {}  # (device, numels) -> (numels, block_tensor, block_start)
 
 
@@ -94,8 +154,8 @@ def master_adamw_step_(masters: list[Tensor], grads: list[Tensor], exp_avgs: lis
     ``exp_avgs``, ``exp_avg_sqs`` (float32) and ``params`` (bf16), from ``grads`` (bf16) and ``clip``
     (0-d float32), in one launch; ``step`` = t, counted from 1, the same for all.
 
-    The five tensors of each index must have one shape, be contiguous and on ``clip``'s device
-    (ValueError naming the list and index otherwise).
+    The five tensors of each index must have one shape, be contiguous and on ``clip``'s device, the
+    moments all float32 or all bf16 (ValueError naming the list and index otherwise).
     """
     if step < 1:
         raise ValueError(f"step={step}: AdamW steps count from 1")
@@ -105,11 +165,13 @@ def master_adamw_step_(masters: list[Tensor], grads: list[Tensor], exp_avgs: lis
     lists = (masters, grads, exp_avgs, exp_avg_sqs, params)
     if len({len(x) for x in lists}) != 1:
         raise ValueError(f"master_adamw_step_: the five lists must have one length, got {[len(x) for x in lists]}")
+    moment_dtype = exp_avgs[0].dtype if exp_avgs and exp_avgs[0].dtype in MOMENT_DTYPES else torch.float32
+    roles = _roles(moment_dtype)
     shapes = [w.shape for w in masters]
     fine = all({(t.dtype, t.device) for t in x} <= {(dtype, clip.device)} and [t.shape for t in x] == shapes
-               and all(t.is_contiguous() for t in x) for x, (_, dtype) in zip(lists, _ROLES))
+               and all(t.is_contiguous() for t in x) for x, (_, dtype) in zip(lists, roles))
     for i, tensors in enumerate(() if fine else zip(*lists)):  # the slow look only to name what is wrong
-        for (name, dtype), t in zip(_ROLES, tensors):
+        for (name, dtype), t in zip(roles, tensors):
             if t.shape != tensors[0].shape or t.dtype != dtype or not t.is_contiguous() or t.device != clip.device:
                 raise ValueError(f"master_adamw_step_: {name}s[{i}] must be a contiguous {dtype} tensor of shape "
                                  f"{tuple(tensors[0].shape)} on {clip.device}, got {t.dtype} {tuple(t.shape)} on "
@@ -118,7 +180,10 @@ def master_adamw_step_(masters: list[Tensor], grads: list[Tensor], exp_avgs: lis
     if sum(numels) == 0:
         return
     sizes, block_tensor, block_start = _block_table(clip.device, numels)
-    addresses = torch.tensor([[t.data_ptr() for t in x] for x in lists], dtype=torch.int64).to(clip.device)  # [5, n]
+    pointers = [[t.data_ptr() for t in x] for x in lists]
+    aligned = all(a % 16 == 0 for row in pointers for a in row)
+    addresses = torch.tensor(pointers, dtype=torch.int64).to(clip.device)  # [5, n]
     _master_adamw_kernel[(block_tensor.numel(),)](
         addresses, sizes, block_tensor, block_start, clip, len(masters), 1.0 - lr * weight_decay, beta1, beta2, eps,
-        lr / (1.0 - beta1 ** step), math.sqrt(1.0 - beta2 ** step), BLOCK=BLOCK, num_warps=8)
+        lr / (1.0 - beta1 ** step), math.sqrt(1.0 - beta2 ** step), BLOCK=BLOCK,
+        MOMENTS_BF16=moment_dtype == torch.bfloat16, ALIGNED=aligned, num_warps=8)
