@@ -130,6 +130,7 @@ class MasterWeightOptimizer:
             raise ValueError(f"TrainConfig.moment_dtype={moment_dtype!r} needs the fused AdamW step, which does not "
                              f"run here: {why_not or 'fused=False was asked for'}; use moment_dtype='float32'")
         self.moment_dtype = getattr(torch, moment_dtype)
+        self.keep_grads = False  # True: the fused step leaves the bf16 grads in place (a CUDA graph replays into them)
         self._clip: Tensor | None = None  # the fused step's clip coefficient (0-d float32, on the device)
         self._steps: dict[int, int] = {}  # id(master) -> AdamW step count on the host (the kernel's bias corrections)
 
@@ -236,8 +237,9 @@ class MasterWeightOptimizer:
                                [s["exp_avg"] for _, _, s in members], [s["exp_avg_sq"] for _, _, s in members],
                                [p for _, p, _ in members], clip, lr=float(group["lr"]), beta1=beta1, beta2=beta2,
                                eps=group["eps"], weight_decay=group["weight_decay"], step=t)
-        for p in self.params:
-            p.grad = None
+        if not self.keep_grads:
+            for p in self.params:
+                p.grad = None
         if steps:
             torch._foreach_add_(steps, 1.0)
         self._clip = None
@@ -251,7 +253,7 @@ class MasterWeightOptimizer:
         :meth:`grads_to_masters` or :meth:`clip_grad_norm_` first)."""
         if closure is not None:
             raise ValueError("MasterWeightOptimizer.step: closures are not supported")
-        if self.fused and any(p.grad is not None for p in self.params):
+        if self.fused and (self.keep_grads or any(p.grad is not None for p in self.params)):
             return self._fused_step()
         if any(p.grad is not None for p in self.params):
             raise RuntimeError("MasterWeightOptimizer.step: the model's parameters still hold their gradients; "

@@ -44,6 +44,7 @@ from k3lab.backend import resolve_device
 from k3lab.checkpoint import (CHECKPOINT_FORMAT, _plain_config, _set_rng_state,  # noqa: F401 (re-exported)
                               load_checkpoint, resolve_checkpoint, save_checkpoint)
 from k3lab.compile import COMPILE_MODES, compile_model
+from k3lab.cuda_graph import GraphedForwardBackward
 from k3lab.memory import LAYERED_MODES, RECOMPUTE_MODES, apply_recompute
 from k3lab.optim import build_optimizer, set_lr
 from k3lab.precision import MOMENT_DTYPES, PARAM_DTYPES, MasterWeightOptimizer, cast_params_
@@ -89,6 +90,8 @@ class TrainConfig:
     recompute: str = "none"                   # RECOMPUTE_MODES: "none" | "selective" | "mixer" | "sublayer" (k3lab.memory)
     recompute_layers: int | None = None       # with "mixer" / "sublayer": checkpoint this many decoder layers
                                               # (spread over depth; the others "selective"); None = all
+    cuda_graph: bool = False                  # True (CUDA): forward + backward replayed as one CUDA graph after
+                                              # two eager steps (k3lab.cuda_graph); every batch one shape
     progress: bool = True                     # tqdm progress bar
     name: str = "train"                       # run name: the progress bar's label
 
@@ -124,6 +127,10 @@ class TrainConfig:
              f"master-weight AdamW step keeps them), got param_dtype={self.param_dtype!r}, optimizer={self.optimizer!r}")
         need(isinstance(self.fused_loss, bool), "fused_loss", "must be a bool")
         need(self.compile in COMPILE_MODES, "compile", f"allowed values are {COMPILE_MODES}")
+        need(isinstance(self.cuda_graph, bool), "cuda_graph", "must be a bool")
+        need(not self.cuda_graph or self.param_dtype == "float32" or self.optimizer == "adamw", "cuda_graph",
+             "with param_dtype='bfloat16' needs optimizer='adamw' (the fused master step keeps the captured "
+             f"gradients; the unfused master path frees them), got optimizer={self.optimizer!r}")
         need(self.recompute in RECOMPUTE_MODES, "recompute", f"allowed values are {RECOMPUTE_MODES}")
         need(self.recompute_layers is None or (isinstance(self.recompute_layers, int)
                                                and not isinstance(self.recompute_layers, bool)
@@ -278,6 +285,12 @@ def fit(model: nn.Module, train_batches, cfg: TrainConfig, val_batches=None,
     masters = None
     if cfg.param_dtype != "float32":  # step fp32 masters of the parameters (set_lr and checkpoints see its groups, state)
         optimizer = masters = MasterWeightOptimizer(model, optimizer, moment_dtype=cfg.moment_dtype)
+    graphed = None
+    if cfg.cuda_graph:
+        if masters is not None and not masters.fused:
+            raise ValueError("TrainConfig.cuda_graph=True with param_dtype='bfloat16' needs the fused master AdamW "
+                             f"step ({masters._why_not_fused()}); use cuda_graph=False")
+        graphed = GraphedForwardBackward(model, torch.bfloat16 if cfg.dtype == "bfloat16" else None)
     torch.manual_seed(cfg.seed)
     step, tokens, elapsed_before, history, checkpoint = 0, 0, 0.0, [], None
     if resume_from is not None:
@@ -321,13 +334,18 @@ def fit(model: nn.Module, train_batches, cfg: TrainConfig, val_batches=None,
         while step < end:
             lr = set_lr(optimizer, step, cfg.steps, cfg.warmup, cfg.min_lr_ratio)
             x, y = _next_batch(train_batches, step, iterator, device)
-            with _autocast(device, cfg.dtype):
-                out = model(x, labels=y)
-            if out.loss is None:
-                raise ValueError("fit: model(input_ids, labels=...) returned loss=None")
             # backward before reading anything back: the step's one host sync comes after it (a non-finite
             # loss gives non-finite gradients, and the check below stops the run before they are applied)
-            out.loss.backward()
+            if graphed is not None:  # eager for two steps, then captured once and replayed
+                out = graphed(x, y)
+                if graphed.captured and masters is not None:
+                    masters.keep_grads = True  # the replays write into the captured gradient tensors
+            else:
+                with _autocast(device, cfg.dtype):
+                    out = model(x, labels=y)
+                if out.loss is None:
+                    raise ValueError("fit: model(input_ids, labels=...) returned loss=None")
+                out.loss.backward()
             # param_dtype="bfloat16": the masters' clip (fp32 grads, or the fused AdamW step's norm from the bf16 grads)
             clip = cfg.grad_clip or math.inf
             norm = nn.utils.clip_grad_norm_(model.parameters(), clip) if masters is None else masters.clip_grad_norm_(clip)
@@ -341,7 +359,8 @@ def fit(model: nn.Module, train_batches, cfg: TrainConfig, val_batches=None,
                     f"Last good checkpoint: {checkpoint or 'none (no out_dir, or none saved yet)'}.",
                     result())
             optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            if graphed is None or not graphed.captured:  # a replay overwrites the captured gradients itself
+                optimizer.zero_grad(set_to_none=True)
             if hasattr(model, "after_optimizer_step"):
                 model.after_optimizer_step()
             step += 1

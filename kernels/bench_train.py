@@ -106,7 +106,7 @@ class Spec:
 
 
 OPTIONS = {"compile": COMPILE_MODES, "recompute": RECOMPUTE_MODES, "fused_loss": ("on", "off"),
-           "param_dtype": PARAM_DTYPES, "moment_dtype": MOMENT_DTYPES, "recompute_layers": ("N (an int >= 0)",)}
+           "param_dtype": PARAM_DTYPES, "moment_dtype": MOMENT_DTYPES, "cuda_graph": ("on", "off"), "recompute_layers": ("N (an int >= 0)",)}
 INT_OPTIONS = ("recompute_layers",)  # options whose value is an int, not one of a list
 
 
@@ -205,6 +205,8 @@ def run_config(spec: Spec, args) -> dict:
                torch=torch.__version__, dtype=args.dtype, optimizer=args.optimizer,
                compile="none" if is_fla else spec.option("compile", args.compile),
                recompute="none" if is_fla else spec.option("recompute", args.recompute), status="ok")
+    if not is_fla and spec.option("cuda_graph", "off") == "on":
+        row["cuda_graph"] = True
     layers = None if is_fla else spec.option("recompute_layers", None)
     if layers is not None:
         row["recompute_layers"] = int(layers)
@@ -250,7 +252,8 @@ def run_config(spec: Spec, args) -> dict:
         steps = 1 + args.warmup + args.steps
         dtype = "float32" if is_fla and args.fla_weights == "bfloat16" else args.dtype
         cfg = TrainConfig(steps=steps, lr=1e-3, warmup_steps=0, optimizer=args.optimizer, device=str(device),
-                          dtype=dtype, param_dtype=param_dtype, moment_dtype=moment_dtype, fused_loss=fused_loss, compile=row["compile"],
+                          dtype=dtype, param_dtype=param_dtype, moment_dtype=moment_dtype,
+                          cuda_graph=bool(row.get("cuda_graph")), fused_loss=fused_loss, compile=row["compile"],
                           recompute=row["recompute"], recompute_layers=row.get("recompute_layers"),
                           progress=False, name=spec.name)
         t0 = time.perf_counter()
@@ -300,7 +303,7 @@ def markdown_table(rows: list[dict]) -> str:
         params = f"{_millions(r['params_active'])} / {_millions(r['params_total'])}" if "params_active" in r else "–"
         loss = f"{_fmt(r.get('loss_first'), '.3f')} → {_fmt(r.get('loss'), '.3f')}" if "loss" in r else "–"
         lines.append("| " + " | ".join([
-            r["config"].split("@")[0], r.get("model", "?"), r.get("compile", "–"),
+            r["config"].split("@")[0], r.get("model", "?"), r.get("compile", "–") + (" + CUDA graph" if r.get("cuda_graph") else ""),
             r.get("recompute", "–") + (f" ({r['recompute_layers']} layers)" if "recompute_layers" in r else ""),
             r.get("fused_loss", "–"), r.get("weights", "–"), params,
             _fmt(r.get("ms_per_step"), ".1f"), _fmt(r.get("tokens_per_s"), ",.0f"),

@@ -130,6 +130,7 @@ UNSUPPORTED_TRAIN_FIELDS = {
     "recompute": ("none", "use ParallelOptions.activation_checkpointing (per sublayer)"),
     "param_dtype": ("float32", "bf16 weights with fp32 masters are k3lab.train.fit's (k3lab.precision); "
                                "FSDP2's MixedPrecisionPolicy is the distributed counterpart, not wired here yet"),
+    "cuda_graph": (False, "the distributed step runs eager (its collectives are not captured)"),
     "moment_dtype": ("float32", "bf16 AdamW moments are the fused master-weight step of k3lab.train.fit"),
 }
 

@@ -1,0 +1,104 @@
+"""A training step's forward and backward as one CUDA graph (``TrainConfig(cuda_graph=True)``).
+
+A compiled ``small`` step launches about 5,000 kernels from Python: compiled graphs, the KDA op, the
+grouped expert GEMMs, the AttnRes mixes, the residual adds. The GPU finishes many of them faster than
+the host issues them, so it idles between them. Captured once as a CUDA graph, the whole forward and
+backward is one ``graph.replay()``: the same kernels on the same addresses, no Python, no dispatcher,
+no launch gaps.
+
+    step = GraphedForwardBackward(model, autocast_dtype=torch.bfloat16)
+    out = step(x, y)        # steps 1, 2, ...: eager forward + backward, then capture; later: replay
+    out.loss, p.grad        # valid after each call (the same tensors every replay)
+
+What a replay needs, and what this module checks or arranges:
+
+* **Static addresses.** The batch is copied into fixed input buffers; the outputs (loss, metrics) and
+  the parameters' gradients are the tensors allocated during capture, overwritten by each replay. So the
+  gradients must not be freed or replaced between steps: :meth:`GraphedForwardBackward.__call__` needs
+  every ``.grad`` to be None before the capture, and afterwards the optimizer must leave them in place
+  (``MasterWeightOptimizer.keep_grads``; fit skips ``zero_grad``). The captured backward *assigns* the
+  gradients (they were None when it was recorded), so nothing needs zeroing.
+* **No host work inside.** Nothing in the captured forward or backward may read a value back to the host
+  (a ``.item()``, a ``nonzero``): capture fails with CUDA's error if it does. k3lab's MoE, balancers (but
+  ``quantile_exact``, refused: it keeps a Python list of the step's margins), losses and KDA op are sync-free.
+  Python-side state changed in a forward happens once, at capture; tensors changed in place (the balancer's
+  load and histogram, QK-Clip's max logits) are updated on every replay, and that is all the model keeps.
+* **Shapes fixed.** Every batch must have the capture's shape (ValueError otherwise).
+* **Autocast without its weight cache** (``cache_enabled=False``), as CUDA graph capture requires.
+
+The first ``warmup`` calls run eagerly (compilation and the libraries' lazy initialisation happen
+there, outside the capture); the next call captures and replays. Each call is one training step: the
+eager ones and the replays compute the same numbers (tested on the GPU).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+Tensor = torch.Tensor
+WARMUP_CALLS = 2  # eager steps before the capture: the first compiles, the second runs what was compiled
+
+
+class GraphedForwardBackward:
+    """``model(x, labels=y)`` and ``loss.backward()`` as one CUDA graph after ``warmup`` eager calls."""
+
+    def __init__(self, model: nn.Module, autocast_dtype: torch.dtype | None = torch.bfloat16,
+                 warmup: int = WARMUP_CALLS):
+        for module in model.modules():
+            balancer = getattr(module, "balancer", None)
+            if getattr(balancer, "exact", False):
+                raise ValueError("TrainConfig.cuda_graph=True: the 'quantile_exact' balancer keeps a Python list of "
+                                 "the step's margins, which a replayed graph would not extend; use balancer="
+                                 "'quantile_hist' (K3's) or cuda_graph=False")
+        device = next(model.parameters()).device
+        if device.type != "cuda":
+            raise ValueError(f"TrainConfig.cuda_graph=True needs a CUDA device, the model is on {device} "
+                             "(use cuda_graph=False)")
+        self.model, self.autocast_dtype, self.warmup = model, autocast_dtype, warmup
+        self.calls = 0
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.inputs: tuple[Tensor, Tensor] | None = None
+        self.out = None
+
+    @property
+    def captured(self) -> bool:
+        return self.graph is not None
+
+    def _forward_backward(self, x: Tensor, y: Tensor):
+        with torch.autocast("cuda", dtype=self.autocast_dtype or torch.float32,
+                            enabled=self.autocast_dtype is not None, cache_enabled=False):
+            out = self.model(x, labels=y)
+        if out.loss is None:
+            raise ValueError("fit: model(input_ids, labels=...) returned loss=None")
+        out.loss.backward()
+        return out
+
+    def __call__(self, x: Tensor, y: Tensor):
+        """One step's forward and backward on the batch ``(x, y)``; returns the model's output."""
+        self.calls += 1
+        if self.calls <= self.warmup:
+            return self._forward_backward(x, y)
+        if self.graph is None:
+            return self._capture(x, y)
+        if x.shape != self.inputs[0].shape or y.shape != self.inputs[1].shape:
+            raise ValueError(f"TrainConfig.cuda_graph=True: batch shapes {tuple(x.shape)}, {tuple(y.shape)} differ from "
+                             f"the captured {tuple(self.inputs[0].shape)}, {tuple(self.inputs[1].shape)}; every "
+                             "training batch must have one shape (or use cuda_graph=False)")
+        self.inputs[0].copy_(x, non_blocking=True)
+        self.inputs[1].copy_(y, non_blocking=True)
+        self.graph.replay()
+        return self.out
+
+    def _capture(self, x: Tensor, y: Tensor):
+        stale = [name for name, p in self.model.named_parameters() if p.grad is not None]
+        if stale:
+            raise RuntimeError(f"GraphedForwardBackward: {len(stale)} parameters hold gradients before the capture "
+                               f"(e.g. {stale[0]}); the captured backward must allocate them (zero_grad(set_to_none=True))")
+        self.inputs = (x.clone(), y.clone())
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self.out = self._forward_backward(*self.inputs)
+        self.graph = graph
+        graph.replay()  # capture only records: this replay computes the step
+        return self.out
