@@ -61,7 +61,7 @@ def test_run_config_bf16_params_and_fused_loss_through_train_config():
     import argparse
 
     bench = load_bench()
-    args = argparse.Namespace(device="cpu", dtype="bfloat16", param_dtype="float32", optimizer="adamw", compile="none",
+    args = argparse.Namespace(device="cpu", dtype="bfloat16", param_dtype="float32", moment_dtype="float32", optimizer="adamw", compile="none",
                               recompute="none", fused_loss=False, steps=1, warmup=0, peak_flops=bench.PEAK_FLOPS,
                               fla_weights="bfloat16")
     row = bench.run_config(bench.parse_config("tiny-1x8@param_dtype=bfloat16,fused_loss=on"), args)

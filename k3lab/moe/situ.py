@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 ACTIVATIONS = ("situ", "swiglu")
 
@@ -222,7 +223,19 @@ def glu_down(gate: Tensor, up: Tensor, weight: Tensor, offs: Tensor | None = Non
         raise ValueError(f"act={act!r}: allowed values are {ACTIVATIONS}")
     _check_pair(gate, up)
     betas = (float(beta), float(linear_beta)) if act == "situ" else ()
+    if torch.compiler.is_compiling():
+        # traced, an autograd.Function's own choice of saved tensors is the partitioner's to remake, and it keeps
+        # h; a checkpointed region keeps its inputs only, and the partitioner recomputes from them just what
+        # backward reads: h (the elementwise chain), not the matmul. Same math, h fused into the kernels.
+        return checkpoint(_glu_down_traced, gate, up, weight, offs, act, betas, use_reentrant=False)
     return GLUDownFunction.apply(gate, up, weight, offs, act, betas)
+
+
+def _glu_down_traced(gate: Tensor, up: Tensor, weight: Tensor, offs: Tensor | None, act: str,
+                     betas: tuple[float, ...]) -> Tensor:
+    """``act(gate, up) @ Wᵀ`` as plain ops (under torch.compile: inductor fuses the activation and derives its backward)."""
+    h = _ACT_PASSES[act][0](gate, up, *betas)[0]
+    return _down(h, weight.to(h.dtype), offs)
 
 
 def _check_pair(gate: Tensor, up: Tensor) -> None:
