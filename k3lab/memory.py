@@ -67,7 +67,9 @@ def checkpoint_module(module: nn.Module) -> None:
 
     @functools.wraps(forward)
     def run(*args, **kwargs):
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        # preserve_rng_state=False: k3lab's layers draw no random numbers (no dropout), so the recompute needs no
+        # saved RNG state, and reading it is host work a CUDA graph capture cannot hold (k3lab.cuda_graph)
+        return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=False, **kwargs)
 
     run._k3lab_checkpointed = True
     module.forward = run

@@ -93,7 +93,8 @@ class AttnResStream:
     def _mix(self, proj: nn.Linear, norm: nn.RMSNorm, name: str) -> Tensor:
         sources = [*self.blocks, self.prefix_sum]
         if self.recompute and torch.is_grad_enabled():  # exact: the same ops again in backward
-            h, p = checkpoint(self.mix_fn, sources, proj, norm, use_reentrant=False)
+            h, p = checkpoint(self.mix_fn, sources, proj, norm, use_reentrant=False,
+                              preserve_rng_state=False)  # no randomness in the mix (and a CUDA graph captures it)
         else:
             h, p = self.mix_fn(sources, proj, norm)
         if self.recorder is not None:

@@ -227,7 +227,8 @@ def glu_down(gate: Tensor, up: Tensor, weight: Tensor, offs: Tensor | None = Non
         # traced, an autograd.Function's own choice of saved tensors is the partitioner's to remake, and it keeps
         # h; a checkpointed region keeps its inputs only, and the partitioner recomputes from them just what
         # backward reads: h (the elementwise chain), not the matmul. Same math, h fused into the kernels.
-        return checkpoint(_glu_down_traced, gate, up, weight, offs, act, betas, use_reentrant=False)
+        return checkpoint(_glu_down_traced, gate, up, weight, offs, act, betas, use_reentrant=False,
+                          preserve_rng_state=False)
     return GLUDownFunction.apply(gate, up, weight, offs, act, betas)
 
 
