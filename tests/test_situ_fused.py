@@ -214,3 +214,29 @@ def test_glu_output_recorder_sees_h_and_restores_the_fused_path():
     assert len(rec.history["0"]) == 1 and rec.history["0"][0]["max_abs"] > 0
     rec.remove()
     assert mlp.fuse_down is True
+
+
+@pytest.mark.parametrize("act", ["situ", "swiglu"])
+def test_compiled_glu_down_saves_gate_and_up_only(act):
+    """Under torch.compile (inductor: its partitioner decides what a compiled graph keeps) a SiTU MLP keeps
+    its input, gate and up — not h = act(gate, up), which it once kept beside them — and its gradients equal
+    the eager ones (fp32: 1e-5)."""
+    torch.manual_seed(0)
+    N, D, I = 256, 32, 128
+    eager = SiTUMLP(D, I, act=act)
+    compiled = SiTUMLP(D, I, act=act)
+    compiled.load_state_dict(eager.state_dict())
+    compiled.compile(backend="inductor")
+    x = torch.randn(N, D)
+    xs = [x.clone().requires_grad_() for _ in range(2)]
+    out, seen = saved_bytes(lambda: compiled(xs[1]), exclude=list(compiled.parameters()))
+    wide = sorted(shape for _, _, shape in seen.values() if shape[-1] == I)
+    assert wide == [(N, I), (N, I)], seen  # gate and up
+    ref = eager(xs[0])
+    grad = torch.randn_like(ref)
+    ref.backward(grad)
+    out.backward(grad)
+    assert_close("output", ref, out, 1e-5)
+    assert_close("x grad", xs[0].grad, xs[1].grad, 1e-5)
+    for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
+        assert_close(name, p.grad, q.grad, 1e-5)
