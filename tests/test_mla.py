@@ -181,3 +181,32 @@ def test_attention_stays_fp32_under_bf16_autocast():
             got = attend(*inputs, 0)
         assert got.dtype == torch.float32
         assert_close(f"{form} under autocast", ref, got, tol)
+
+
+def _max_logit_reference(q, k, scale):
+    """max over b, i, j <= i of q_i·k_j·scale per head, from the full float64 score matrix."""
+    s = torch.einsum("bhik,bhjk->bhij", q.double(), k.double()) * scale
+    T = q.shape[2]
+    s = s.masked_fill(~torch.ones(T, T, dtype=torch.bool, device=q.device).tril(), float("-inf"))
+    return s.amax(dim=(0, 2, 3))
+
+
+def test_causal_max_logit_equals_the_full_score_matrix(monkeypatch):
+    """Query chunks (3 of them, the last partial) give the max of the whole causal score matrix."""
+    from k3lab.mixers import mla
+
+    monkeypatch.setattr(mla, "MAX_LOGIT_QUERY_CHUNK", 16)
+    q, k = torch.randn(2, 3, 40, 24), torch.randn(2, 3, 40, 24)
+    assert_close("max logit", _max_logit_reference(q, k, 0.2), mla.causal_max_logit(q, k, 0.2).double(), 1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_causal_max_logit_bf16_tensor_cores_equal_float32():
+    """bf16 q, k on CUDA (the bf16 GEMM with float32 output) against the same values in float32."""
+    from k3lab.mixers.mla import causal_max_logit
+
+    q = torch.randn(2, 4, 1500, 192, device="cuda").to(torch.bfloat16)
+    k = torch.randn(2, 4, 1500, 192, device="cuda").to(torch.bfloat16)
+    fast = causal_max_logit(q, k, 0.07)
+    assert_close("max logit", _max_logit_reference(q.float(), k.float(), 0.07), fast.double(), 1e-6)
