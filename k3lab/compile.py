@@ -11,10 +11,11 @@ stream, a Python object holding lists of tensors (:mod:`k3lab.residual`), and na
 an f-string of its ``layer_idx``, so compiling whole layers traced one graph per layer and hit dynamo's
 recompile limit. The sublayers take and return tensors (and a cache dataclass).
 
-Between the sublayers, the Attention-Residuals depth mix (:func:`k3lab.residual.attn_res`, a pure
-function over a list of ``S`` source tensors) is compiled too (``K3Model.attn_res_fn``): eager it is
-about ten fp32 passes over ``[S, B, T, D]`` per call, compiled one fused read of the sources — one
-graph per source count ``S`` (at most blocks + 1 of them). Only forwards with autograd on use it (training):
+Between the sublayers, the Attention-Residuals depth mix and the next sublayer's pre-norm
+(:func:`k3lab.residual.attn_res_normed`, a pure function over a list of ``S`` source tensors) are compiled
+too (``K3Model.attn_res_fn``): eager it is about ten fp32 passes over ``[S, B, T, D]`` per call and an
+RMSNorm, compiled one fused read of the sources — one graph per source count ``S`` (at most blocks + 1 of
+them; the output mix, with no pre-norm after it, one more). Only forwards with autograd on use it (training):
 evaluation and generation (no grad, often without autocast) run the mix eager, so that they add no
 graphs per source count and autocast state (with ``small``'s five source counts they passed dynamo's
 recompile limit of 8).
@@ -99,11 +100,11 @@ def compile_sublayers(model: nn.Module, backend: str | None = None, **compile_kw
                          f"{type(model).__name__} has none (use compile='none')")
     backend = backend or default_backend()
     from k3lab.model import K3Model
-    from k3lab.residual import attn_res
+    from k3lab.residual import attn_res_normed
 
     for module in model.modules():  # the AttnRes depth mixes between the sublayers: one graph per source count
         if isinstance(module, K3Model) and module.use_attn_res and module.attn_res_fn is None:
-            module.attn_res_fn = torch.compile(attn_res, backend=backend, **compile_kwargs)
+            module.attn_res_fn = torch.compile(attn_res_normed, backend=backend, **compile_kwargs)
     for _, module in targets:
         if isinstance(module, LatentMoE):
             _balancer_runs_eager(module)

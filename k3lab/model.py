@@ -102,12 +102,13 @@ class K3DecoderLayer(nn.Module):
         """Run both sublayers on `stream` (an AttnResStream or PreNormStream); return the mixer's new cache."""
         i = self.layer_idx
         res = (self.self_attention_res_proj, self.self_attention_res_norm) if self.use_attn_res else (None, None)
-        h = stream.sublayer_input(*res, name=f"{i}.attn")
-        a, new_cache = self.self_attn(self.input_layernorm(h), cache)
+        # the pre-norm goes to the stream: with a compiled depth mix it runs fused into it (k3lab.compile)
+        x = stream.sublayer_input(*res, name=f"{i}.attn", post_norm=self.input_layernorm)
+        a, new_cache = self.self_attn(x, cache)
         stream.add(a)
         res = (self.mlp_res_proj, self.mlp_res_norm) if self.use_attn_res else (None, None)
-        h = stream.sublayer_input(*res, name=f"{i}.mlp")
-        stream.add(getattr(self, self.mlp_name)(self.post_attention_layernorm(h)))
+        x = stream.sublayer_input(*res, name=f"{i}.mlp", post_norm=self.post_attention_layernorm)
+        stream.add(getattr(self, self.mlp_name)(x))
         return new_cache
 
 
@@ -137,7 +138,7 @@ class K3Model(nn.Module):
         self.attn_res_sublayers_per_block = 2 * cfg.attn_res_block_size
         self.attn_res_recorder: list | None = None
         self.recompute_residual_mix = False  # k3lab.memory "selective": AttnRes mixes recomputed in backward
-        self.attn_res_fn = None  # None: k3lab.residual.attn_res; k3lab.compile sets a compiled one
+        self.attn_res_fn = None  # None: k3lab.residual.attn_res_normed; k3lab.compile sets a compiled one
 
     def forward(self, input_ids: Tensor, cache: K3Cache | None = None) -> K3ModelOutput:
         if input_ids.dim() != 2:

@@ -52,14 +52,24 @@ def attn_res(sources: Sequence[Tensor], proj: nn.Linear, norm: nn.RMSNorm) -> tu
     return h.to(sources[0].dtype), p
 
 
+def attn_res_normed(sources: Sequence[Tensor], proj: nn.Linear, norm: nn.RMSNorm,
+                    post_norm: nn.Module | None = None) -> tuple[Tensor, Tensor]:
+    """:func:`attn_res`, then ``post_norm`` (the next sublayer's pre-norm, None: none) on ``h``: one function,
+    so that ``torch.compile`` fuses the norm into the depth mix (and, recomputed, into its backward).
+    Returns ``(post_norm(h), p)``."""
+    h, p = attn_res(sources, proj, norm)
+    return (h if post_norm is None else post_norm(h)), p
+
+
 class PreNormStream:
     """The plain residual: every sublayer reads the running sum and adds its output to it."""
 
     def __init__(self, embeddings: Tensor):
         self.x = embeddings  # [B, T, D]
 
-    def sublayer_input(self, proj: nn.Linear | None = None, norm: nn.RMSNorm | None = None, name: str = "") -> Tensor:
-        return self.x
+    def sublayer_input(self, proj: nn.Linear | None = None, norm: nn.RMSNorm | None = None, name: str = "",
+                       post_norm: nn.Module | None = None) -> Tensor:
+        return self.x if post_norm is None else post_norm(self.x)
 
     def add(self, out: Tensor) -> None:
         self.x = self.x + out
@@ -85,27 +95,32 @@ class AttnResStream:
         self.sublayers_per_block = sublayers_per_block
         self.recorder = recorder
         self.recompute = recompute  # keep only the sources for backward; rebuild the fp32 stack there
-        self.mix_fn = attn_res if mix_fn is None else mix_fn  # attn_res or a compiled attn_res (k3lab.compile)
+        self.mix_fn = attn_res_normed if mix_fn is None else mix_fn  # or a compiled attn_res_normed (k3lab.compile)
         self.blocks: list[Tensor] = []  # completed block representations (the embedding first)
         self.prefix_sum: Tensor | None = embeddings  # partial sum of the current block
         self.sublayer = 0  # index of the next sublayer
 
-    def _mix(self, proj: nn.Linear, norm: nn.RMSNorm, name: str) -> Tensor:
+    def _mix(self, proj: nn.Linear, norm: nn.RMSNorm, name: str, post_norm: nn.Module | None = None) -> Tensor:
         sources = [*self.blocks, self.prefix_sum]
         if self.recompute and torch.is_grad_enabled():  # exact: the same ops again in backward
-            h, p = checkpoint(self.mix_fn, sources, proj, norm, use_reentrant=False,
+            h, p = checkpoint(self.mix_fn, sources, proj, norm, post_norm, use_reentrant=False,
                               preserve_rng_state=False)  # no randomness in the mix (and a CUDA graph captures it)
         else:
-            h, p = self.mix_fn(sources, proj, norm)
+            h, p = self.mix_fn(sources, proj, norm, post_norm)
         if self.recorder is not None:
             self.recorder.append((name, p.detach().flatten(1).mean(dim=1).float().cpu()))
         return h
 
-    def sublayer_input(self, proj: nn.Linear, norm: nn.RMSNorm, name: str = "") -> Tensor:
-        """The input of the next sublayer (before its pre-norm); starts a new block at a boundary."""
+    def sublayer_input(self, proj: nn.Linear, norm: nn.RMSNorm, name: str = "",
+                       post_norm: nn.Module | None = None) -> Tensor:
+        """The input of the next sublayer, ``post_norm`` (its pre-norm; None: none) applied; starts a new block
+        at a boundary."""
         if self.prefix_sum is None:
             raise ValueError("AttnResStream: sublayer_input called twice without add()")
-        h = self.prefix_sum if not self.blocks else self._mix(proj, norm, name)
+        if not self.blocks:
+            h = self.prefix_sum if post_norm is None else post_norm(self.prefix_sum)
+        else:
+            h = self._mix(proj, norm, name, post_norm)
         if self.sublayer % self.sublayers_per_block == 0:
             self.blocks.append(self.prefix_sum)
             self.prefix_sum = None
