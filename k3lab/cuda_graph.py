@@ -96,6 +96,7 @@ class GraphedForwardBackward:
                                f"(e.g. {stale[0]}); the captured backward must allocate them (zero_grad(set_to_none=True))")
         self.inputs = (x.clone(), y.clone())
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # the graph allocates from a private pool: hand back what the eager steps cached
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             self.out = self._forward_backward(*self.inputs)
