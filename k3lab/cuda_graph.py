@@ -25,6 +25,9 @@ What a replay needs, and what this module checks or arranges:
   load and histogram, QK-Clip's max logits) are updated on every replay, and that is all the model keeps.
 * **Shapes fixed.** Every batch must have the capture's shape (ValueError otherwise).
 * **Autocast without its weight cache** (``cache_enabled=False``), as CUDA graph capture requires.
+* **One side stream** for the eager steps, the capture and the replays (ordered against the caller's
+  stream both ways): autograd's gradient accumulators remember the stream they were made on, and one
+  made on the default stream would make the captured backward wait on it, which capture forbids.
 
 The first ``warmup`` calls run eagerly (compilation and the libraries' lazy initialisation happen
 there, outside the capture); the next call captures and replays. Each call is one training step: the
@@ -56,6 +59,7 @@ class GraphedForwardBackward:
                              "(use cuda_graph=False)")
         self.model, self.autocast_dtype, self.warmup = model, autocast_dtype, warmup
         self.calls = 0
+        self.stream = torch.cuda.Stream(device)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.inputs: tuple[Tensor, Tensor] | None = None
         self.out = None
@@ -76,18 +80,25 @@ class GraphedForwardBackward:
     def __call__(self, x: Tensor, y: Tensor):
         """One step's forward and backward on the batch ``(x, y)``; returns the model's output."""
         self.calls += 1
-        if self.calls <= self.warmup:
-            return self._forward_backward(x, y)
-        if self.graph is None:
-            return self._capture(x, y)
-        if x.shape != self.inputs[0].shape or y.shape != self.inputs[1].shape:
-            raise ValueError(f"TrainConfig.cuda_graph=True: batch shapes {tuple(x.shape)}, {tuple(y.shape)} differ from "
-                             f"the captured {tuple(self.inputs[0].shape)}, {tuple(self.inputs[1].shape)}; every "
-                             "training batch must have one shape (or use cuda_graph=False)")
-        self.inputs[0].copy_(x, non_blocking=True)
-        self.inputs[1].copy_(y, non_blocking=True)
-        self.graph.replay()
-        return self.out
+        caller = torch.cuda.current_stream(self.stream.device)
+        self.stream.wait_stream(caller)  # the batch, the last optimizer step
+        with torch.cuda.stream(self.stream):
+            if self.calls <= self.warmup:
+                out = self._forward_backward(x, y)
+            elif self.graph is None:
+                out = self._capture(x, y)
+            else:
+                if x.shape != self.inputs[0].shape or y.shape != self.inputs[1].shape:
+                    raise ValueError(f"TrainConfig.cuda_graph=True: batch shapes {tuple(x.shape)}, {tuple(y.shape)} "
+                                     f"differ from the captured {tuple(self.inputs[0].shape)}, "
+                                     f"{tuple(self.inputs[1].shape)}; every training batch must have one shape "
+                                     "(or use cuda_graph=False)")
+                self.inputs[0].copy_(x)
+                self.inputs[1].copy_(y)
+                self.graph.replay()
+                out = self.out
+        caller.wait_stream(self.stream)  # the optimizer reads the gradients
+        return out
 
     def _capture(self, x: Tensor, y: Tensor):
         stale = [name for name, p in self.model.named_parameters() if p.grad is not None]
@@ -98,7 +109,7 @@ class GraphedForwardBackward:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()  # the graph allocates from a private pool: hand back what the eager steps cached
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, stream=self.stream):
             self.out = self._forward_backward(*self.inputs)
         self.graph = graph
         graph.replay()  # capture only records: this replay computes the step

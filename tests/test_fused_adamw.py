@@ -165,13 +165,13 @@ def test_bf16_moments_kernel_equals_the_plain_formula():
     m = [torch.zeros(*s, dtype=torch.bfloat16, device=DEVICE) for s in shapes]
     v = [torch.zeros(*s, dtype=torch.bfloat16, device=DEVICE) for s in shapes]
     p = [x.to(torch.bfloat16) for x in w]
-    ref = [(x.clone(), a.clone(), b.clone()) for x, a, b in zip(w, m, v)]
     hyper = dict(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
-    for step in range(1, 4):
+    for step in range(1, 4):  # each step against the reference applied to the kernel's state before it
         g = [torch.randn(*s, generator=gen).to(DEVICE, torch.bfloat16) for s in shapes]
         clip = torch.tensor(0.5 if step == 1 else 1.0, device=DEVICE)
+        ref = [reference_bf16_moment_step(x.clone(), a.clone(), b.clone(), gi, clip, step=step, **hyper)[:3]
+               for x, a, b, gi in zip(w, m, v, g)]
         master_adamw_step_(w, g, m, v, p, clip, step=step, **hyper)
-        ref = [reference_bf16_moment_step(*r, gi, clip, step=step, **hyper)[:3] for r, gi in zip(ref, g)]
         for i, (rw, rm, rv) in enumerate(ref):
             assert m[i].dtype == v[i].dtype == torch.bfloat16
             for name, got, want in (("exp_avg", m[i], rm), ("exp_avg_sq", v[i], rv)):
