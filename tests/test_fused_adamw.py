@@ -171,12 +171,17 @@ def test_bf16_moments_kernel_equals_the_plain_formula():
         clip = torch.tensor(0.5 if step == 1 else 1.0, device=DEVICE)
         ref = [reference_bf16_moment_step(x.clone(), a.clone(), b.clone(), gi, clip, step=step, **hyper)[:3]
                for x, a, b, gi in zip(w, m, v, g)]
+        prev = {"exp_avg": [a.clone() for a in m], "exp_avg_sq": [b.clone() for b in v]}
         master_adamw_step_(w, g, m, v, p, clip, step=step, **hyper)
         for i, (rw, rm, rv) in enumerate(ref):
             assert m[i].dtype == v[i].dtype == torch.bfloat16
-            for name, got, want in (("exp_avg", m[i], rm), ("exp_avg_sq", v[i], rv)):
-                ulp = torch.finfo(torch.bfloat16).eps * want.float().abs()
-                assert ((got.float() - want.float()).abs() <= ulp).all(), (name, step, i)
+            for name, got, want, beta, new in (("exp_avg", m[i], rm, 0.9, g[i].float()),
+                                               ("exp_avg_sq", v[i], rv, 0.95, g[i].float() ** 2)):
+                # one bf16 ulp of the result, or float32 rounding of the two terms where they cancel (the GPU
+                # fuses a multiply-add the reference rounds twice: an fp32 ulp of the terms, then bf16)
+                terms = beta * prev[name][i].float().abs() + (1 - beta) * new.abs() * float(clip) ** (1 + (name == "exp_avg_sq"))
+                bound = torch.finfo(torch.bfloat16).eps * want.float().abs() + 1e-6 * terms
+                assert ((got.float() - want.float()).abs() <= bound).all(), (name, step, i)
                 assert (got == want).float().mean() > 0.99, (name, step, i)  # almost all bits equal
             assert_close(f"master {i}, step {step}", rw, w[i], 1e-5)
             assert torch.equal(p[i], w[i].to(torch.bfloat16))
