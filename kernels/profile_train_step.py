@@ -28,6 +28,7 @@ import torch
 
 from k3lab.compile import COMPILE_MODES, compile_model, compile_sublayers
 from k3lab.config import ModelConfig
+from k3lab.cuda_graph import GraphedForwardBackward
 from k3lab.memory import RECOMPUTE_MODES, apply_recompute
 from k3lab.model import K3ForCausalLM
 from k3lab.optim import build_optimizer
@@ -197,6 +198,8 @@ def main():
                         help="an experiment: set torch._functorch.config.KEY (a Python literal) before compiling, e.g. "
                              "activation_memory_budget=0.5 (AOTAutograd's partitioner: what compiled graphs save)")
     parser.add_argument("--fused-loss", action="store_true", help="chunked linear cross-entropy (model.fused_loss)")
+    parser.add_argument("--cuda-graph", action="store_true",
+                        help="forward + backward as one CUDA graph after two eager steps (TrainConfig.cuda_graph)")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--optimizer", default="adamw", choices=("adamw", "muon"))
@@ -244,19 +247,28 @@ def main():
     if args.param_dtype != "float32":
         opt = MasterWeightOptimizer(model, opt, moment_dtype=args.moment_dtype)
     x = torch.randint(0, cfg.vocab_size, (args.batch_size, args.seq_len), device=dev)
+    graphed = GraphedForwardBackward(model) if args.cuda_graph else None  # ValueError off CUDA
+    if graphed is not None and isinstance(opt, MasterWeightOptimizer) and not opt.fused:
+        raise SystemExit("--cuda-graph with --param-dtype bfloat16 needs the fused AdamW step (--optimizer adamw)")
 
     def step():
         if args.compile_mode == "reduce-overhead":  # CUDA graphs: a new step may overwrite the last one's outputs
             torch.compiler.cudagraph_mark_step_begin()
-        with torch.autocast(dev.type, dtype=torch.bfloat16):
-            out = model(x, labels=x)
-        out.loss.backward()
+        if graphed is not None:  # as fit with cuda_graph=True: eager twice, then capture, then replays
+            graphed(x, x)
+            if graphed.captured and isinstance(opt, MasterWeightOptimizer):
+                opt.keep_grads = True
+        else:
+            with torch.autocast(dev.type, dtype=torch.bfloat16):
+                out = model(x, labels=x)
+            out.loss.backward()
         if isinstance(opt, MasterWeightOptimizer):  # fused AdamW on CUDA: the clip runs inside the step
             opt.clip_grad_norm_(1.0)
         else:
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        opt.zero_grad(set_to_none=True)
+        if graphed is None or not graphed.captured:  # a replay writes the captured gradients itself
+            opt.zero_grad(set_to_none=True)
         model.after_optimizer_step()
 
     for _ in range(3):
@@ -289,7 +301,8 @@ def main():
     busy = sum(gpu.values())
     peak = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else float("nan")
     print(f"{args.preset} {args.optimizer} B{args.batch_size} T{args.seq_len} compile={args.compile} "
-          f"recompute={args.recompute} fused_loss={args.fused_loss} param_dtype={args.param_dtype}: peak {peak:.1f} GiB, "
+          f"recompute={args.recompute} fused_loss={args.fused_loss} param_dtype={args.param_dtype} "
+          f"moment_dtype={args.moment_dtype} cuda_graph={args.cuda_graph}: peak {peak:.1f} GiB, "
           f"{ms:.1f} ms/step, {tokens / ms * 1e3:,.0f} tokens/s, {flops / ms / 1e9:.0f} TFLOP/s (6N), GPU busy {busy:.1f} ms "
           f"({100 * busy / ms:.0f}% of the step)")
     kinds = {}

@@ -174,7 +174,7 @@ def test_world_size_one_equals_fit():
 
 def test_world_size_one_fused_loss_equals_fit_and_unsupported_fields_raise(monkeypatch):
     """fused_loss is honoured (the chunked loss runs, and world size 1 equals fit with it); compile,
-    recompute and param_dtype values the distributed trainer does not run are errors naming the field."""
+    recompute, param_dtype and cuda_graph values the distributed trainer does not run are errors naming the field."""
     import k3lab.model
 
     calls = []
@@ -187,7 +187,8 @@ def test_world_size_one_fused_loss_equals_fit_and_unsupported_fields_raise(monke
     calls.clear()
     assert train_parallel(cfg, train_cfg, ParallelOptions(), _batches())["losses"] == ref
     assert len(calls) == 2  # one chunked loss per step (tiny has no MTP head)
-    for field, value in (("compile", "sublayer"), ("recompute", "selective"), ("param_dtype", "bfloat16")):
+    for field, value in (("compile", "sublayer"), ("recompute", "selective"), ("param_dtype", "bfloat16"),
+                         ("cuda_graph", True)):
         extra = {"dtype": "bfloat16"} if field == "param_dtype" else {}
         bad = dataclasses.replace(_train_cfg("adamw"), **{field: value}, **extra)
         with pytest.raises(ValueError, match=f"TrainConfig.{field}="):
