@@ -1,4 +1,5 @@
-"""A training step's forward and backward as one CUDA graph (``TrainConfig(cuda_graph=True)``).
+"""A training step as two CUDA graphs (``TrainConfig(cuda_graph=True)``): forward + backward + gradient norm,
+then the optimizer update.
 
 A compiled ``small`` step launches about 5,000 kernels from Python: compiled graphs, the KDA op, the
 grouped expert GEMMs, the AttnRes mixes, the residual adds. The GPU finishes many of them faster than
@@ -6,9 +7,15 @@ the host issues them, so it idles between them. Captured once as a CUDA graph, t
 backward is one ``graph.replay()``: the same kernels on the same addresses, no Python, no dispatcher,
 no launch gaps.
 
-    step = GraphedForwardBackward(model, autocast_dtype=torch.bfloat16)
-    out = step(x, y)        # steps 1, 2, ...: eager forward + backward, then capture; later: replay
-    out.loss, p.grad        # valid after each call (the same tensors every replay)
+    step = GraphedForwardBackward(model, autocast_dtype=torch.bfloat16, after_backward=clip_norm)
+    update = GraphedOptimizerStep(model, master_optimizer, step.stream)
+    out, norm = step(x, y)  # steps 1, 2, ...: eager forward + backward, then capture; later: replay
+    out.loss, p.grad, norm  # valid after each call (the same tensors every replay)
+    ...                     # read the loss and the norm back (the step's one host sync), check them
+    update()                # once step is captured: AdamW + the model's after-step work, captured, then replayed
+
+Between the two graphs the host reads the loss and the norm and stops a diverged run before the update,
+as the eager loop does; the GPU waits only for that read and the second graph's launch.
 
 What a replay needs, and what this module checks or arranges:
 
@@ -46,7 +53,7 @@ class GraphedForwardBackward:
     """``model(x, labels=y)`` and ``loss.backward()`` as one CUDA graph after ``warmup`` eager calls."""
 
     def __init__(self, model: nn.Module, autocast_dtype: torch.dtype | None = torch.bfloat16,
-                 warmup: int = WARMUP_CALLS):
+                 warmup: int = WARMUP_CALLS, after_backward=None):
         for module in model.modules():
             balancer = getattr(module, "balancer", None)
             if getattr(balancer, "exact", False):
@@ -58,11 +65,12 @@ class GraphedForwardBackward:
             raise ValueError(f"TrainConfig.cuda_graph=True needs a CUDA device, the model is on {device} "
                              "(use cuda_graph=False)")
         self.model, self.autocast_dtype, self.warmup = model, autocast_dtype, warmup
+        self.after_backward = after_backward  # () -> tensor, run after backward (the gradient norm and clip), captured too
         self.calls = 0
         self.stream = torch.cuda.Stream(device)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.inputs: tuple[Tensor, Tensor] | None = None
-        self.out = None
+        self.out = self.after = None
 
     @property
     def captured(self) -> bool:
@@ -75,18 +83,19 @@ class GraphedForwardBackward:
         if out.loss is None:
             raise ValueError("fit: model(input_ids, labels=...) returned loss=None")
         out.loss.backward()
-        return out
+        return out, (None if self.after_backward is None else self.after_backward())
 
     def __call__(self, x: Tensor, y: Tensor):
-        """One step's forward and backward on the batch ``(x, y)``; returns the model's output."""
+        """One step's forward and backward on the batch ``(x, y)``; returns the model's output and what
+        ``after_backward`` returned (None without it)."""
         self.calls += 1
         caller = torch.cuda.current_stream(self.stream.device)
         self.stream.wait_stream(caller)  # the batch, the last optimizer step
         with torch.cuda.stream(self.stream):
             if self.calls <= self.warmup:
-                out = self._forward_backward(x, y)
+                result = self._forward_backward(x, y)
             elif self.graph is None:
-                out = self._capture(x, y)
+                result = self._capture(x, y)
             else:
                 if x.shape != self.inputs[0].shape or y.shape != self.inputs[1].shape:
                     raise ValueError(f"TrainConfig.cuda_graph=True: batch shapes {tuple(x.shape)}, {tuple(y.shape)} "
@@ -96,9 +105,9 @@ class GraphedForwardBackward:
                 self.inputs[0].copy_(x)
                 self.inputs[1].copy_(y)
                 self.graph.replay()
-                out = self.out
+                result = self.out, self.after
         caller.wait_stream(self.stream)  # the optimizer reads the gradients
-        return out
+        return result
 
     def _capture(self, x: Tensor, y: Tensor):
         stale = [name for name, p in self.model.named_parameters() if p.grad is not None]
@@ -110,7 +119,69 @@ class GraphedForwardBackward:
         torch.cuda.empty_cache()  # the graph allocates from a private pool: hand back what the eager steps cached
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=self.stream):
-            self.out = self._forward_backward(*self.inputs)
+            self.out, self.after = self._forward_backward(*self.inputs)
         self.graph = graph
         graph.replay()  # capture only records: this replay computes the step
-        return self.out
+        return self.out, self.after
+
+
+class GraphedOptimizerStep:
+    """The fused master AdamW step and ``model.after_optimizer_step()`` (balancer updates, QK-Clip, and QK-Clip's
+    rescale taken into the fp32 masters) as one CUDA graph, for a :class:`GraphedForwardBackward` that has
+    captured its step.
+
+    Each call is one update: the host half of the step (:meth:`MasterWeightOptimizer.prepare_fused_step`:
+    step counts, and the learning rate and bias corrections written into the launches' device buffers) runs
+    in Python every time; the device half is captured on the first call and replayed after it. The captured
+    kernels read the gradients and the clip coefficient that the forward-backward graph writes, so that graph
+    must be captured first (``forward_backward.captured``), the optimizer must keep its gradients
+    (``keep_grads``) and hold the clip coefficient of the captured gradient norm. The optimizer's state must
+    exist (at least one eager step before): a capture only records, it would not create it.
+    """
+
+    def __init__(self, model: nn.Module, optimizer, forward_backward: GraphedForwardBackward):
+        if not getattr(optimizer, "fused", False):
+            raise ValueError("GraphedOptimizerStep: needs a MasterWeightOptimizer with the fused AdamW step "
+                             "(TrainConfig.param_dtype='bfloat16', optimizer='adamw', on CUDA)")
+        self.model, self.optimizer, self.forward_backward = model, optimizer, forward_backward
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.launch_ids: list[int] = []
+        self.clip = None
+
+    @property
+    def captured(self) -> bool:
+        return self.graph is not None
+
+    def _device_half(self, launches) -> None:
+        self.optimizer.run_fused_step(launches)
+        if hasattr(self.model, "after_optimizer_step"):
+            self.model.after_optimizer_step()
+        self.optimizer.sync_from_params()  # QK-Clip rescaled bf16 rows in place: into the masters, every replay
+
+    def __call__(self) -> None:
+        if not self.forward_backward.captured:
+            raise RuntimeError("GraphedOptimizerStep: the forward-backward graph is not captured yet (its gradients "
+                               "are what this graph reads); step the optimizer eagerly until it is")
+        if not self.optimizer.keep_grads or self.optimizer._clip is None:
+            raise RuntimeError("GraphedOptimizerStep: the optimizer must keep the captured gradients (keep_grads=True) "
+                               "and hold the captured clip coefficient (clip_grad_norm_ inside the captured step)")
+        if not self.optimizer.state:
+            raise RuntimeError("GraphedOptimizerStep: the optimizer has no state yet; take one eager step first")
+        stream = self.forward_backward.stream
+        launches = self.optimizer.prepare_fused_step()  # host: counts, scalars -> device (on the caller's stream)
+        caller = torch.cuda.current_stream(stream.device)
+        stream.wait_stream(caller)
+        with torch.cuda.stream(stream):
+            if self.graph is None:
+                self.optimizer.sync_from_params()  # anything changed eagerly before: not part of the capture
+                self.launch_ids, self.clip = [id(launch) for launch, _, _ in launches], self.optimizer._clip
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, stream=stream):
+                    self._device_half(launches)
+                self.graph = graph
+            elif [id(launch) for launch, _, _ in launches] != self.launch_ids or self.optimizer._clip is not self.clip:
+                raise RuntimeError("GraphedOptimizerStep: the optimizer's launches or clip coefficient changed since the "
+                                   "capture (a parameter gained or lost its gradient, or the state was reloaded); "
+                                   "a replay would update stale tensors")
+            self.graph.replay()  # capture only records: the first replay computes the first graphed update
+        caller.wait_stream(stream)

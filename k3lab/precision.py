@@ -130,9 +130,21 @@ class MasterWeightOptimizer:
             raise ValueError(f"TrainConfig.moment_dtype={moment_dtype!r} needs the fused AdamW step, which does not "
                              f"run here: {why_not or 'fused=False was asked for'}; use moment_dtype='float32'")
         self.moment_dtype = getattr(torch, moment_dtype)
-        self.keep_grads = False  # True: the fused step leaves the bf16 grads in place (a CUDA graph replays into them)
+        self._keep_grads = False
         self._clip: Tensor | None = None  # the fused step's clip coefficient (0-d float32, on the device)
         self._steps: dict[int, int] = {}  # id(master) -> AdamW step count on the host (the kernel's bias corrections)
+        self._launches: dict[tuple, object] = {}  # (group index, ids of the masters) -> AdamWLaunch, while keep_grads
+
+    @property
+    def keep_grads(self) -> bool:
+        """True: the fused step leaves the bf16 gradients in place (a CUDA graph replays into the same tensors)
+        and keeps its launches for them; setting it drops the kept launches."""
+        return self._keep_grads
+
+    @keep_grads.setter
+    def keep_grads(self, value: bool) -> None:
+        self._keep_grads = bool(value)
+        self._launches.clear()
 
     def _why_not_fused(self) -> str | None:
         """None when the fused AdamW step applies to this optimizer and these parameters, else the reason."""
@@ -206,14 +218,17 @@ class MasterWeightOptimizer:
         return norm
 
     @torch.no_grad()
-    def _fused_step(self) -> None:
-        """Clip + AdamW + copy-back per parameter with a gradient (k3lab.kernels.adamw), on torch's AdamW
-        state (created as its fused variant creates it: ``step`` a 0-d float32 on the device)."""
-        from k3lab.kernels.adamw import master_adamw_step_
+    def prepare_fused_step(self) -> list:
+        """The host half of the fused step: create the AdamW state where missing (as torch's fused AdamW does:
+        ``step`` a 0-d float32 on the device), count the step on the host, group the parameters that have a
+        gradient into launches (one per group and step count) and write each launch's scalars (learning rate,
+        bias corrections) into its device buffer. Returns the launches for :meth:`run_fused_step`.
 
-        self.sync_from_params()
-        clip = self._clip if self._clip is not None else torch.ones((), device=self.masters[0].device)
-        steps, launches = [], {}
+        With :attr:`keep_grads` the launches (their tables of addresses) are kept and reused: the gradients
+        are then the same tensors every step, and a CUDA graph of :meth:`run_fused_step` replays them."""
+        from k3lab.kernels.adamw import AdamWLaunch
+
+        members_of: dict[tuple[int, int], list] = {}
         for index, group in enumerate(self.optimizer.param_groups):
             for w in group["params"]:
                 p = self._param_of[id(w)]
@@ -228,20 +243,44 @@ class MasterWeightOptimizer:
                 elif id(w) not in self._steps:  # state loaded from a checkpoint: read its step once
                     self._steps[id(w)] = int(state["step"])
                 self._steps[id(w)] += 1
-                steps.append(state["step"])
-                launches.setdefault((index, self._steps[id(w)]), []).append((w, p, state))
-        for (index, t), members in launches.items():  # one launch per group (and step count, if they differ)
+                members_of.setdefault((index, self._steps[id(w)]), []).append((w, p, state))
+        launches = []
+        for (index, t), members in members_of.items():
             group = self.optimizer.param_groups[index]
+            key = (index, tuple(id(w) for w, _, _ in members))
+            launch = self._launches.get(key) if self.keep_grads else None
+            if launch is None:
+                launch = AdamWLaunch([w for w, _, _ in members], [p.grad for _, p, _ in members],
+                                     [s["exp_avg"] for _, _, s in members], [s["exp_avg_sq"] for _, _, s in members],
+                                     [p for _, p, _ in members], self.masters[0].device)
+                if self.keep_grads:
+                    self._launches[key] = launch
             beta1, beta2 = group["betas"]
-            master_adamw_step_([w for w, _, _ in members], [p.grad for _, p, _ in members],
-                               [s["exp_avg"] for _, _, s in members], [s["exp_avg_sq"] for _, _, s in members],
-                               [p for _, p, _ in members], clip, lr=float(group["lr"]), beta1=beta1, beta2=beta2,
-                               eps=group["eps"], weight_decay=group["weight_decay"], step=t)
+            launch.set_scalars(float(group["lr"]), beta1, beta2, group["weight_decay"], t)
+            launches.append((launch, group, [s["step"] for _, _, s in members]))
+        return launches
+
+    @torch.no_grad()
+    def run_fused_step(self, launches: list) -> None:
+        """The device half of the fused step (no host work: a CUDA graph can capture it): the kernel launches
+        of :meth:`prepare_fused_step` with the clip coefficient of :meth:`clip_grad_norm_` (1 if none), then
+        every stepped parameter's ``step += 1``."""
+        clip = self._clip if self._clip is not None else torch.ones((), device=self.masters[0].device)
+        for launch, group, _ in launches:
+            beta1, beta2 = group["betas"]
+            launch.launch(clip, beta1, beta2, group["eps"])
+        steps = [t for _, _, group_steps in launches for t in group_steps]
+        if steps:
+            torch._foreach_add_(steps, 1.0)
+
+    @torch.no_grad()
+    def _fused_step(self) -> None:
+        """Clip + AdamW + copy-back per parameter with a gradient (k3lab.kernels.adamw), on torch's AdamW state."""
+        self.sync_from_params()
+        self.run_fused_step(self.prepare_fused_step())
         if not self.keep_grads:
             for p in self.params:
                 p.grad = None
-        if steps:
-            torch._foreach_add_(steps, 1.0)
         self._clip = None
         self._versions = [p._version for p in self.params]
 
@@ -312,4 +351,5 @@ class MasterWeightOptimizer:
                 if key in s and s[key].dtype != self.moment_dtype:
                     s[key] = s[key].to(self.moment_dtype)
         self._steps.clear()  # the fused step reads the loaded step counts
+        self._launches.clear()  # their addresses were of the replaced moments
         self._copy_to_params()

@@ -44,7 +44,7 @@ from k3lab.backend import resolve_device
 from k3lab.checkpoint import (CHECKPOINT_FORMAT, _plain_config, _set_rng_state,  # noqa: F401 (re-exported)
                               load_checkpoint, resolve_checkpoint, save_checkpoint)
 from k3lab.compile import COMPILE_MODES, compile_model
-from k3lab.cuda_graph import GraphedForwardBackward
+from k3lab.cuda_graph import GraphedForwardBackward, GraphedOptimizerStep
 from k3lab.memory import LAYERED_MODES, RECOMPUTE_MODES, apply_recompute
 from k3lab.optim import build_optimizer, set_lr
 from k3lab.precision import MOMENT_DTYPES, PARAM_DTYPES, MasterWeightOptimizer, cast_params_
@@ -285,12 +285,20 @@ def fit(model: nn.Module, train_batches, cfg: TrainConfig, val_batches=None,
     masters = None
     if cfg.param_dtype != "float32":  # step fp32 masters of the parameters (set_lr and checkpoints see its groups, state)
         optimizer = masters = MasterWeightOptimizer(model, optimizer, moment_dtype=cfg.moment_dtype)
-    graphed = None
+    clip = cfg.grad_clip or math.inf
+
+    def clip_grad_norm():  # param_dtype="bfloat16": the masters' clip (fp32 grads, or the fused step's norm from bf16 grads)
+        return nn.utils.clip_grad_norm_(model.parameters(), clip) if masters is None else masters.clip_grad_norm_(clip)
+
+    graphed = graphed_update = None
     if cfg.cuda_graph:
         if masters is not None and not masters.fused:
             raise ValueError("TrainConfig.cuda_graph=True with param_dtype='bfloat16' needs the fused master AdamW "
                              f"step ({masters._why_not_fused()}); use cuda_graph=False")
-        graphed = GraphedForwardBackward(model, torch.bfloat16 if cfg.dtype == "bfloat16" else None)
+        graphed = GraphedForwardBackward(model, torch.bfloat16 if cfg.dtype == "bfloat16" else None,
+                                         after_backward=clip_grad_norm)
+        if masters is not None:  # the fused AdamW and the model's after-step work: a second graph
+            graphed_update = GraphedOptimizerStep(model, masters, graphed)
     torch.manual_seed(cfg.seed)
     step, tokens, elapsed_before, history, checkpoint = 0, 0, 0.0, [], None
     if resume_from is not None:
@@ -337,8 +345,10 @@ def fit(model: nn.Module, train_batches, cfg: TrainConfig, val_batches=None,
             # backward before reading anything back: the step's one host sync comes after it (a non-finite
             # loss gives non-finite gradients, and the check below stops the run before they are applied)
             if graphed is not None:  # eager for two steps, then captured once and replayed
-                out = graphed(x, y)
-                if graphed.captured and masters is not None:
+                if masters is not None:
+                    masters.sync_from_params()  # QK-Clip's eager rescale before a capture stays out of it
+                out, norm = graphed(x, y)  # forward, backward, gradient norm (and clip coefficient)
+                if graphed.captured and masters is not None and not masters.keep_grads:
                     masters.keep_grads = True  # the replays write into the captured gradient tensors
             else:
                 with _autocast(device, cfg.dtype):
@@ -346,9 +356,7 @@ def fit(model: nn.Module, train_batches, cfg: TrainConfig, val_batches=None,
                 if out.loss is None:
                     raise ValueError("fit: model(input_ids, labels=...) returned loss=None")
                 out.loss.backward()
-            # param_dtype="bfloat16": the masters' clip (fp32 grads, or the fused AdamW step's norm from the bf16 grads)
-            clip = cfg.grad_clip or math.inf
-            norm = nn.utils.clip_grad_norm_(model.parameters(), clip) if masters is None else masters.clip_grad_norm_(clip)
+                norm = clip_grad_norm()
             metrics = _host_floats({**_metric_values(out), " loss": out.loss.float(), " grad_norm": norm})
             loss, grad_norm = metrics.pop(" loss"), metrics.pop(" grad_norm")
             if not (math.isfinite(loss) and math.isfinite(grad_norm)):
@@ -358,11 +366,14 @@ def fit(model: nn.Module, train_batches, cfg: TrainConfig, val_batches=None,
                     f"grad_norm={grad_norm}) at step {step + 1}: training stopped before this update. "
                     f"Last good checkpoint: {checkpoint or 'none (no out_dir, or none saved yet)'}.",
                     result())
-            optimizer.step()
-            if graphed is None or not graphed.captured:  # a replay overwrites the captured gradients itself
-                optimizer.zero_grad(set_to_none=True)
-            if hasattr(model, "after_optimizer_step"):
-                model.after_optimizer_step()
+            if graphed_update is not None and graphed.captured:  # AdamW + balancers + QK-Clip: one graph replay
+                graphed_update()
+            else:
+                optimizer.step()
+                if graphed is None or not graphed.captured:  # a replay overwrites the captured gradients itself
+                    optimizer.zero_grad(set_to_none=True)
+                if hasattr(model, "after_optimizer_step"):
+                    model.after_optimizer_step()
             step += 1
             tokens += x.numel()
             row = dict(step=step, loss=loss, lr=lr, grad_norm=grad_norm, tokens=tokens,

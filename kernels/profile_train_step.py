@@ -28,7 +28,7 @@ import torch
 
 from k3lab.compile import COMPILE_MODES, compile_model, compile_sublayers
 from k3lab.config import ModelConfig
-from k3lab.cuda_graph import GraphedForwardBackward
+from k3lab.cuda_graph import GraphedForwardBackward, GraphedOptimizerStep
 from k3lab.memory import RECOMPUTE_MODES, apply_recompute
 from k3lab.model import K3ForCausalLM
 from k3lab.optim import build_optimizer
@@ -247,25 +247,33 @@ def main():
     if args.param_dtype != "float32":
         opt = MasterWeightOptimizer(model, opt, moment_dtype=args.moment_dtype)
     x = torch.randint(0, cfg.vocab_size, (args.batch_size, args.seq_len), device=dev)
-    graphed = GraphedForwardBackward(model) if args.cuda_graph else None  # ValueError off CUDA
-    if graphed is not None and isinstance(opt, MasterWeightOptimizer) and not opt.fused:
+    masters = opt if isinstance(opt, MasterWeightOptimizer) else None
+
+    def clip_norm():  # fused AdamW on CUDA: the norm here, the clip inside the step
+        return masters.clip_grad_norm_(1.0) if masters is not None else torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+
+    graphed = GraphedForwardBackward(model, after_backward=clip_norm) if args.cuda_graph else None  # ValueError off CUDA
+    if graphed is not None and masters is not None and not masters.fused:
         raise SystemExit("--cuda-graph with --param-dtype bfloat16 needs the fused AdamW step (--optimizer adamw)")
+    graphed_update = GraphedOptimizerStep(model, masters, graphed) if graphed is not None and masters is not None else None
 
     def step():
         if args.compile_mode == "reduce-overhead":  # CUDA graphs: a new step may overwrite the last one's outputs
             torch.compiler.cudagraph_mark_step_begin()
         if graphed is not None:  # as fit with cuda_graph=True: eager twice, then capture, then replays
+            if masters is not None:
+                masters.sync_from_params()
             graphed(x, x)
-            if graphed.captured and isinstance(opt, MasterWeightOptimizer):
-                opt.keep_grads = True
+            if graphed.captured and masters is not None and not masters.keep_grads:
+                masters.keep_grads = True
         else:
             with torch.autocast(dev.type, dtype=torch.bfloat16):
                 out = model(x, labels=x)
             out.loss.backward()
-        if isinstance(opt, MasterWeightOptimizer):  # fused AdamW on CUDA: the clip runs inside the step
-            opt.clip_grad_norm_(1.0)
-        else:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            clip_norm()
+        if graphed_update is not None and graphed.captured:  # the optimizer graph, as fit
+            graphed_update()
+            return
         opt.step()
         if graphed is None or not graphed.captured:  # a replay writes the captured gradients itself
             opt.zero_grad(set_to_none=True)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from k3lab.config import ModelConfig
-from k3lab.cuda_graph import GraphedForwardBackward
+from k3lab.cuda_graph import GraphedForwardBackward, GraphedOptimizerStep
 from k3lab.model import K3ForCausalLM
 from k3lab.testing import assert_close
 from k3lab.train import TrainConfig, fit
@@ -20,6 +20,10 @@ def batches(vocab, B=2, T=64, device="cpu"):
     gen = torch.Generator().manual_seed(5)
     data = [torch.randint(0, vocab, (B, T + 1), generator=gen) for _ in range(8)]
     return lambda step: (data[step % 8][:, :-1].to(device), data[step % 8][:, 1:].to(device))
+
+
+def mla_layers(model):
+    return [m for m in model.modules() if hasattr(m, "max_logit") and hasattr(m, "q_b_proj")]
 
 
 def test_refusals_name_the_field():
@@ -33,15 +37,21 @@ def test_refusals_name_the_field():
         TrainConfig(dtype="bfloat16", param_dtype="bfloat16", optimizer="muon", cuda_graph=True)
     with pytest.raises(ValueError, match="TrainConfig.cuda_graph='yes': must be a bool"):
         TrainConfig(cuda_graph="yes")
+    model = K3ForCausalLM(cfg)
+    with pytest.raises(ValueError, match="GraphedOptimizerStep: needs a MasterWeightOptimizer with the fused AdamW"):
+        GraphedOptimizerStep(model, torch.optim.AdamW(model.parameters()), None)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("compile_mode", ["none", "sublayer"])
-def test_graphed_fit_equals_eager_fit(compile_mode):
-    """Six steps (two eager, the capture, three replays) against six eager steps of the same model: the same
-    losses and grad norms (the same kernels; 1e-5 allows atomics' order), weights and router biases after."""
-    cfg = ModelConfig.preset("tiny")
+@pytest.mark.parametrize("compile_mode,qk_clip_tau", [("none", 100.0), ("sublayer", 100.0), ("none", 0.02)])
+def test_graphed_fit_equals_eager_fit(compile_mode, qk_clip_tau):
+    """Six steps (two eager, the captures, three replays of both graphs: forward-backward-norm, then AdamW with
+    the balancer and QK-Clip) against six eager steps of the same model: the same losses and grad norms (the
+    same kernels; 1e-5 allows atomics' order), weights and router biases after. The cosine schedule changes the
+    learning rate every step (the replayed AdamW reads it from the device); ``qk_clip_tau=0.02`` (the fresh model's logits reach about 0.07) makes QK-Clip
+    rescale MLA rows every step (taken into the fp32 masters inside the graph)."""
+    cfg = dataclasses.replace(ModelConfig.preset("tiny"), qk_clip_tau=qk_clip_tau)
     runs = {}
     for graph in (False, True):
         torch.manual_seed(0)
@@ -61,3 +71,13 @@ def test_graphed_fit_equals_eager_fit(compile_mode):
         assert_close(name, p.float(), q.float(), 1e-2)  # bf16 weights: a rounding flip is 1 ulp
         biases += name.endswith("e_score_correction_bias") and bool(p.abs().sum() > 0)  # the balancer moved them
     assert biases > 0
+    if qk_clip_tau < 1.0:  # QK-Clip was active: the first batch's logits pass tau, every head ends clipped to it
+        torch.manual_seed(0)
+        fresh = K3ForCausalLM(cfg).cuda()
+        with torch.no_grad():
+            fresh(batches(cfg.vocab_size, device="cuda")(0)[0])
+        mla = mla_layers(fresh)
+        assert mla and max(float(m.max_logit.max()) for m in mla) > qk_clip_tau
+        for a, b in zip(mla_layers(m_eager), mla_layers(m_graph), strict=True):
+            assert float(b.max_logit.max()) <= qk_clip_tau * (1 + 1e-6)
+            assert_close("max_logit", a.max_logit.float(), b.max_logit.float(), 1e-5)

@@ -89,6 +89,36 @@ def test_fused_step_equals_the_unfused_path():
 
 
 @needs_kernels
+def test_kept_launches_equal_fresh_ones():
+    """keep_grads=True (the gradients stay the same tensors, as under a CUDA graph): the fused step keeps its
+    launches (addresses built once) and only rewrites their scalars, and gives the same bits as a run that
+    builds its launches every step — with a new learning rate each step (the scalars are read on the device)."""
+    fresh_model = bf16_model()
+    kept_model = copy.deepcopy(fresh_model)
+    fresh, kept = wrapped(fresh_model, fused=True), wrapped(kept_model, fused=True)
+    kept.keep_grads = True
+    launch_ids = None
+    for step in range(4):
+        for opt, model in ((fresh, fresh_model), (kept, kept_model)):
+            set_lr(opt, step, 6, 1, 0.1)
+            opt.zero_grad(set_to_none=False)  # kept: zero in place (backward accumulates into the kept tensors)
+            backward(model, seed=step)
+            opt.clip_grad_norm_(0.05 if step < 2 else float("inf"))
+            opt.step()
+        assert all(p.grad is None for p in fresh_model.parameters())
+        assert all(p.grad is not None for p in kept_model.parameters())
+        ids = [id(launch) for launch in kept._launches.values()]
+        assert ids and (launch_ids is None or ids == launch_ids), step  # built at the first step, then reused
+        launch_ids = ids
+        for w_fresh, w_kept in zip(fresh.masters, kept.masters):
+            assert torch.equal(w_fresh, w_kept), step
+            for key in ("exp_avg", "exp_avg_sq", "step"):
+                assert torch.equal(fresh.state[w_fresh][key], kept.state[w_kept][key]), (key, step)
+    kept.keep_grads = False  # dropping keep_grads drops the kept launches
+    assert not kept._launches
+
+
+@needs_kernels
 def test_fused_state_dict_continues_on_either_path():
     """A fused run's state (torch's AdamW keys, plus the masters) resumes unfused, and the reverse."""
     model = bf16_model()

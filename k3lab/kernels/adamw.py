@@ -91,9 +91,8 @@ def _adamw_elements(w_ptr, g_ptr, m_ptr, v_ptr, p_ptr, offs, mask, clip, decay, 
 
 
 @triton.jit
-def _master_adamw_kernel(addresses, numels, block_tensor, block_start, clip_ptr, n_tensors, decay, beta1, beta2,
-                         eps, step_size, bc2_sqrt, BLOCK: tl.constexpr, MOMENTS_BF16: tl.constexpr,
-                         ALIGNED: tl.constexpr):
+def _master_adamw_kernel(addresses, numels, block_tensor, block_start, clip_ptr, hyper_ptr, n_tensors, beta1, beta2,
+                         eps, BLOCK: tl.constexpr, MOMENTS_BF16: tl.constexpr, ALIGNED: tl.constexpr):
     pid = tl.program_id(0)
     t = tl.load(block_tensor + pid)                 # which tensor this block belongs to
     start = tl.multiple_of(tl.load(block_start + pid), BLOCK)  # int64, a multiple of BLOCK
@@ -115,6 +114,9 @@ def _master_adamw_kernel(addresses, numels, block_tensor, block_start, clip_ptr,
         v_ptr = tl.multiple_of(v_ptr, 16)
         p_ptr = tl.multiple_of(p_ptr, 16)
     clip = tl.load(clip_ptr)
+    decay = tl.load(hyper_ptr)            # the step's scalars, read on the device (a CUDA graph replays this launch)
+    step_size = tl.load(hyper_ptr + 1)
+    bc2_sqrt = tl.load(hyper_ptr + 2)
     if start + BLOCK <= numel:  # a full block: no mask, so the loads vectorize
         _adamw_elements(w_ptr, g_ptr, m_ptr, v_ptr, p_ptr, offs, offs, clip, decay, beta1, beta2, eps, step_size,
                         bc2_sqrt, MOMENTS_BF16, False)
@@ -147,6 +149,65 @@ def _block_table(device: torch.device, numels: tuple[int, ...]) -> tuple[Tensor,
     return _block_tables[key]
 
 
+def adamw_scalars(lr: float, beta1: float, beta2: float, weight_decay: float, step: int) -> tuple[float, float, float]:
+    """The step's three scalars as the kernel reads them (its ``hyper [3]``): ``(1 − lr·λ, lr / (1 − β1ᵗ),
+    √(1 − β2ᵗ))``, in double on the host (rounded to float32 once, when written to the device)."""
+    if step < 1:
+        raise ValueError(f"step={step}: AdamW steps count from 1")
+    return 1.0 - lr * weight_decay, lr / (1.0 - beta1 ** step), math.sqrt(1.0 - beta2 ** step)
+
+
+class AdamWLaunch:
+    """One kernel launch over fixed lists of tensors: the block table and the five rows of addresses, built
+    once (``master_adamw_step_`` builds one per call; :class:`k3lab.precision.MasterWeightOptimizer` keeps
+    them while the gradients stay the same tensors, so that a CUDA graph can replay the launch).
+
+    ``hyper`` is the launch's device buffer of :func:`adamw_scalars`; :meth:`set_scalars` writes it from the
+    host (stream-ordered), :meth:`launch` only reads it.
+    """
+
+    def __init__(self, masters: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
+                 params: list[Tensor], device: torch.device):
+        lists = (masters, grads, exp_avgs, exp_avg_sqs, params)
+        if len({len(x) for x in lists}) != 1:
+            raise ValueError(f"master_adamw_step_: the five lists must have one length, got {[len(x) for x in lists]}")
+        moment_dtype = exp_avgs[0].dtype if exp_avgs and exp_avgs[0].dtype in MOMENT_DTYPES else torch.float32
+        roles = _roles(moment_dtype)
+        shapes = [w.shape for w in masters]
+        fine = all({(t.dtype, t.device) for t in x} <= {(dtype, device)} and [t.shape for t in x] == shapes
+                   and all(t.is_contiguous() for t in x) for x, (_, dtype) in zip(lists, roles))
+        for i, tensors in enumerate(() if fine else zip(*lists)):  # the slow look only to name what is wrong
+            for (name, dtype), t in zip(roles, tensors):
+                if t.shape != tensors[0].shape or t.dtype != dtype or not t.is_contiguous() or t.device != device:
+                    raise ValueError(f"master_adamw_step_: {name}s[{i}] must be a contiguous {dtype} tensor of shape "
+                                     f"{tuple(tensors[0].shape)} on {device}, got {t.dtype} {tuple(t.shape)} on "
+                                     f"{t.device}{'' if t.is_contiguous() else ' (not contiguous)'}")
+        numels = tuple(w.numel() for w in masters)
+        self.n, self.empty, self.moments_bf16 = len(masters), sum(numels) == 0, moment_dtype == torch.bfloat16
+        self.hyper = torch.zeros(3, dtype=torch.float32, device=device)  # [decay, step_size, bc2_sqrt]
+        if self.empty:
+            return
+        self.sizes, self.block_tensor, self.block_start = _block_table(device, numels)
+        pointers = [[t.data_ptr() for t in x] for x in lists]
+        self.aligned = all(a % 16 == 0 for row in pointers for a in row)
+        self.addresses = torch.tensor(pointers, dtype=torch.int64).to(device)  # [5, n]
+
+    def set_scalars(self, lr: float, beta1: float, beta2: float, weight_decay: float, step: int) -> None:
+        """Write :func:`adamw_scalars` into ``hyper`` (a host-to-device copy on the current stream)."""
+        self.hyper.copy_(torch.tensor(adamw_scalars(lr, beta1, beta2, weight_decay, step), dtype=torch.float32))
+
+    def launch(self, clip: Tensor, beta1: float, beta2: float, eps: float) -> None:
+        """The update on every tensor of the lists, with the scalars in ``hyper`` and the clip coefficient ``clip``."""
+        if clip.numel() != 1 or clip.dtype != torch.float32:
+            raise ValueError(f"master_adamw_step_: clip must be a one-element float32 tensor, got {clip.dtype} "
+                             f"{tuple(clip.shape)}")
+        if self.empty:
+            return
+        _master_adamw_kernel[(self.block_tensor.numel(),)](
+            self.addresses, self.sizes, self.block_tensor, self.block_start, clip, self.hyper, self.n, beta1, beta2,
+            eps, BLOCK=BLOCK, MOMENTS_BF16=self.moments_bf16, ALIGNED=self.aligned, num_warps=8)
+
+
 def master_adamw_step_(masters: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
                        params: list[Tensor], clip: Tensor, *, lr: float, beta1: float, beta2: float, eps: float,
                        weight_decay: float, step: int) -> None:
@@ -157,33 +218,6 @@ def master_adamw_step_(masters: list[Tensor], grads: list[Tensor], exp_avgs: lis
     The five tensors of each index must have one shape, be contiguous and on ``clip``'s device, the
     moments all float32 or all bf16 (ValueError naming the list and index otherwise).
     """
-    if step < 1:
-        raise ValueError(f"step={step}: AdamW steps count from 1")
-    if clip.numel() != 1 or clip.dtype != torch.float32:
-        raise ValueError(f"master_adamw_step_: clip must be a one-element float32 tensor, got {clip.dtype} "
-                         f"{tuple(clip.shape)}")
-    lists = (masters, grads, exp_avgs, exp_avg_sqs, params)
-    if len({len(x) for x in lists}) != 1:
-        raise ValueError(f"master_adamw_step_: the five lists must have one length, got {[len(x) for x in lists]}")
-    moment_dtype = exp_avgs[0].dtype if exp_avgs and exp_avgs[0].dtype in MOMENT_DTYPES else torch.float32
-    roles = _roles(moment_dtype)
-    shapes = [w.shape for w in masters]
-    fine = all({(t.dtype, t.device) for t in x} <= {(dtype, clip.device)} and [t.shape for t in x] == shapes
-               and all(t.is_contiguous() for t in x) for x, (_, dtype) in zip(lists, roles))
-    for i, tensors in enumerate(() if fine else zip(*lists)):  # the slow look only to name what is wrong
-        for (name, dtype), t in zip(roles, tensors):
-            if t.shape != tensors[0].shape or t.dtype != dtype or not t.is_contiguous() or t.device != clip.device:
-                raise ValueError(f"master_adamw_step_: {name}s[{i}] must be a contiguous {dtype} tensor of shape "
-                                 f"{tuple(tensors[0].shape)} on {clip.device}, got {t.dtype} {tuple(t.shape)} on "
-                                 f"{t.device}{'' if t.is_contiguous() else ' (not contiguous)'}")
-    numels = tuple(w.numel() for w in masters)
-    if sum(numels) == 0:
-        return
-    sizes, block_tensor, block_start = _block_table(clip.device, numels)
-    pointers = [[t.data_ptr() for t in x] for x in lists]
-    aligned = all(a % 16 == 0 for row in pointers for a in row)
-    addresses = torch.tensor(pointers, dtype=torch.int64).to(clip.device)  # [5, n]
-    _master_adamw_kernel[(block_tensor.numel(),)](
-        addresses, sizes, block_tensor, block_start, clip, len(masters), 1.0 - lr * weight_decay, beta1, beta2, eps,
-        lr / (1.0 - beta1 ** step), math.sqrt(1.0 - beta2 ** step), BLOCK=BLOCK,
-        MOMENTS_BF16=moment_dtype == torch.bfloat16, ALIGNED=aligned, num_warps=8)
+    plan = AdamWLaunch(masters, grads, exp_avgs, exp_avg_sqs, params, clip.device)
+    plan.set_scalars(lr, beta1, beta2, weight_decay, step)
+    plan.launch(clip, beta1, beta2, eps)
