@@ -8,23 +8,26 @@ backward is one ``graph.replay()``: the same kernels on the same addresses, no P
 no launch gaps.
 
     step = GraphedForwardBackward(model, autocast_dtype=torch.bfloat16, after_backward=clip_norm)
-    update = GraphedOptimizerStep(model, master_optimizer, step.stream)
+    update = GraphedOptimizerStep(model, master_optimizer, step)
     out, norm = step(x, y)  # steps 1, 2, ...: eager forward + backward, then capture; later: replay
     out.loss, p.grad, norm  # valid after each call (the same tensors every replay)
     ...                     # read the loss and the norm back (the step's one host sync), check them
     update()                # once step is captured: AdamW + the model's after-step work, captured, then replayed
 
 Between the two graphs the host reads the loss and the norm and stops a diverged run before the update,
-as the eager loop does; the GPU waits only for that read and the second graph's launch.
+as the eager loop does; the GPU waits only for that read and the second graph's launch. The update's
+step-dependent scalars (learning rate, bias corrections) are written by the host into device buffers before
+each replay (:class:`k3lab.kernels.adamw.AdamWLaunch`).
 
 What a replay needs, and what this module checks or arranges:
 
-* **Static addresses.** The batch is copied into fixed input buffers; the outputs (loss, metrics) and
+* **Static addresses.** The batch is copied into fixed input buffers; the outputs (loss, metrics, norm) and
   the parameters' gradients are the tensors allocated during capture, overwritten by each replay. So the
   gradients must not be freed or replaced between steps: :meth:`GraphedForwardBackward.__call__` needs
   every ``.grad`` to be None before the capture, and afterwards the optimizer must leave them in place
-  (``MasterWeightOptimizer.keep_grads``; fit skips ``zero_grad``). The captured backward *assigns* the
-  gradients (they were None when it was recorded), so nothing needs zeroing.
+  (``MasterWeightOptimizer.keep_grads``: it then also keeps its kernel launches, whose address tables the
+  update graph replays; fit skips ``zero_grad``). The captured backward *assigns* the gradients (they were
+  None when it was recorded), so nothing needs zeroing.
 * **No host work inside.** Nothing in the captured forward or backward may read a value back to the host
   (a ``.item()``, a ``nonzero``): capture fails with CUDA's error if it does. k3lab's MoE, balancers (but
   ``quantile_exact``, refused: it keeps a Python list of the step's margins), losses and KDA op are sync-free.

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from k3lab.backend import resolve_backend
 from k3lab.config import ModelConfig
 from k3lab.losses import linear_cross_entropy
 from k3lab.mixers.kda import KDA
@@ -36,7 +37,7 @@ from k3lab.mixers.mla import GatedMLA, qk_clip_
 from k3lab.moe.latent import LatentMoE
 from k3lab.moe.situ import SiTUMLP
 from k3lab.outputs import CausalLMOutput
-from k3lab.residual import PreNormStream, residual_stream
+from k3lab.residual import PreNormStream, attn_res_normed_triton, residual_stream
 
 Tensor = torch.Tensor
 IGNORE_INDEX = -100
@@ -146,9 +147,11 @@ class K3Model(nn.Module):
         if cache is not None and len(cache.layers) != len(self.layers):
             raise ValueError(f"cache has {len(cache.layers)} layer entries, the model has {len(self.layers)} layers")
         mix_fn = self.attn_res_fn if torch.is_grad_enabled() else None  # compiled for training; eager for no-grad calls
+        # backend "triton" (and "auto" on CUDA): the depth mixes by k3lab's fused kernels, where they apply
+        fused_mix = attn_res_normed_triton if resolve_backend(self.config.backend, input_ids.device) == "triton" else None
         stream = residual_stream(self.config.residual, self.embed_tokens(input_ids),
                                  self.attn_res_sublayers_per_block, self.attn_res_recorder,
-                                 self.recompute_residual_mix, mix_fn)
+                                 self.recompute_residual_mix, mix_fn, fused_mix)
         new_caches = [layer(stream, None if cache is None else cache.layers[i]) for i, layer in enumerate(self.layers)]
         res = (self.output_attn_res_proj, self.output_attn_res_norm) if self.use_attn_res else (None, None)
         residual = stream.output(*res)

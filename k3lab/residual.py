@@ -61,6 +61,29 @@ def attn_res_normed(sources: Sequence[Tensor], proj: nn.Linear, norm: nn.RMSNorm
     return (h if post_norm is None else post_norm(h)), p
 
 
+def attn_res_normed_triton(sources: Sequence[Tensor], proj: nn.Linear, norm: nn.RMSNorm,
+                           post_norm: nn.RMSNorm | None = None) -> tuple[Tensor, None]:
+    """:func:`attn_res_normed` by the fused Triton kernels of :mod:`k3lab.kernels.attn_res` (CUDA, or the Triton
+    interpreter): the same ``post_norm(h)`` within float32 rounding (bf16 sources: within bf16 rounding), the
+    depth weights not returned (None). It keeps only the sources for backward and recomputes the rest there, so
+    it needs no checkpoint. Use where :func:`fused_mix_applies`."""
+    from k3lab.kernels.attn_res import attn_res_mix
+
+    post_weight, post_eps = (None, None) if post_norm is None else (post_norm.weight, post_norm.eps)
+    return attn_res_mix(list(sources), proj.weight, norm.weight, norm.eps, post_weight, post_eps), None
+
+
+def fused_mix_applies(sources: Sequence[Tensor], post_norm: nn.Module | None) -> bool:
+    """Whether :func:`attn_res_normed_triton` takes this call: at most ``MAX_SOURCES`` contiguous sources of one
+    dtype (bf16 or float32: fp32 weights under bf16 autocast mix an fp32 embedding with bf16 outputs, which it
+    does not) and a post-norm that is an ``nn.RMSNorm`` with a weight, or none."""
+    from k3lab.kernels.attn_res import DTYPES, MAX_SOURCES
+
+    return (len(sources) <= MAX_SOURCES and sources[0].dtype in DTYPES and all(
+        s.dtype == sources[0].dtype and s.is_contiguous() for s in sources) and (
+        post_norm is None or (isinstance(post_norm, nn.RMSNorm) and post_norm.weight is not None)))
+
+
 class PreNormStream:
     """The plain residual: every sublayer reads the running sum and adds its output to it."""
 
@@ -89,19 +112,22 @@ class AttnResStream:
     """
 
     def __init__(self, embeddings: Tensor, sublayers_per_block: int, recorder: list | None = None,
-                 recompute: bool = False, mix_fn=None):
+                 recompute: bool = False, mix_fn=None, fused_mix=None):
         if sublayers_per_block < 1:
             raise ValueError(f"sublayers_per_block={sublayers_per_block}: must be >= 1")
         self.sublayers_per_block = sublayers_per_block
         self.recorder = recorder
         self.recompute = recompute  # keep only the sources for backward; rebuild the fp32 stack there
         self.mix_fn = attn_res_normed if mix_fn is None else mix_fn  # or a compiled attn_res_normed (k3lab.compile)
+        self.fused_mix = fused_mix  # attn_res_normed_triton (backend "triton"), where fused_mix_applies; else mix_fn
         self.blocks: list[Tensor] = []  # completed block representations (the embedding first)
         self.prefix_sum: Tensor | None = embeddings  # partial sum of the current block
         self.sublayer = 0  # index of the next sublayer
 
     def _mix(self, proj: nn.Linear, norm: nn.RMSNorm, name: str, post_norm: nn.Module | None = None) -> Tensor:
         sources = [*self.blocks, self.prefix_sum]
+        if self.fused_mix is not None and self.recorder is None and fused_mix_applies(sources, post_norm):
+            return self.fused_mix(sources, proj, norm, post_norm)[0]  # keeps only the sources: no checkpoint needed
         if self.recompute and torch.is_grad_enabled():  # exact: the same ops again in backward
             h, p = checkpoint(self.mix_fn, sources, proj, norm, post_norm, use_reentrant=False,
                               preserve_rng_state=False)  # no randomness in the mix (and a CUDA graph captures it)
@@ -137,11 +163,12 @@ class AttnResStream:
 
 
 def residual_stream(kind: str, embeddings: Tensor, sublayers_per_block: int, recorder: list | None = None,
-                    recompute: bool = False, mix_fn=None):
+                    recompute: bool = False, mix_fn=None, fused_mix=None):
     """"attnres" -> AttnResStream, "prenorm" -> PreNormStream (cfg.residual); ``recompute``: AttnRes mixes
-    recomputed in backward (k3lab.memory); ``mix_fn``: the depth-mix function (None: :func:`attn_res`)."""
+    recomputed in backward (k3lab.memory); ``mix_fn``: the depth-mix function (None: :func:`attn_res_normed`);
+    ``fused_mix``: :func:`attn_res_normed_triton` where it applies (None: never)."""
     if kind == "attnres":
-        return AttnResStream(embeddings, sublayers_per_block, recorder, recompute, mix_fn)
+        return AttnResStream(embeddings, sublayers_per_block, recorder, recompute, mix_fn, fused_mix)
     if kind == "prenorm":
         return PreNormStream(embeddings)
     raise ValueError(f"residual={kind!r}: allowed values are ('attnres', 'prenorm')")

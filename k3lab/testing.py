@@ -1,4 +1,9 @@
-"""Helpers shared by tests and notebooks: one definition of "relative error", and a saved-for-backward counter."""
+"""Helpers shared by tests and notebooks: one definition of "relative error", a saved-for-backward counter, and
+the run of a kernel test file under Triton's CPU interpreter."""
+
+import os
+import subprocess
+import sys
 
 import torch
 
@@ -38,3 +43,20 @@ def saved_bytes(fn, exclude=()) -> tuple[object, dict]:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = fn()
     return out, seen
+
+
+def run_interpreter_suite(path: str, *extra_args: str, timeout: float = 600.0) -> str:
+    """Run the test file ``path`` in a fresh interpreter with ``TRITON_INTERPRET=1`` (which must be set before
+    triton is imported, hence the new process): its kernel tests then run on the CPU at their tiny shapes.
+    Deselects GPU-marked tests and the calling ``test_interpreter_suite`` itself; ``extra_args`` go to pytest
+    (e.g. ``"-W", "error:overflow encountered:RuntimeWarning"``). Fails with the run's output tail unless it
+    passes with nothing skipped; returns its stdout."""
+    cmd = [sys.executable, "-m", "pytest", path, "-q", "-o", "addopts=", "-p", "no:cacheprovider",
+           "-m", "not gpu", "-k", "not interpreter_suite", *extra_args]
+    run = subprocess.run(cmd, env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True,
+                         timeout=timeout)
+    if run.returncode != 0:
+        raise AssertionError(f"{path} under TRITON_INTERPRET=1 failed:\n{run.stdout[-6000:]}{run.stderr[-3000:]}")
+    if " passed" not in run.stdout or " skipped" in run.stdout:
+        raise AssertionError(f"{path} under TRITON_INTERPRET=1: expected every test to run\n{run.stdout[-2000:]}")
+    return run.stdout

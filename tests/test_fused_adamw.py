@@ -7,8 +7,6 @@ On CPU the kernel runs under Triton's interpreter, which must be on before trito
 """
 import copy
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -16,7 +14,7 @@ from torch import nn
 
 from k3lab.optim import build_optimizer, set_lr
 from k3lab.precision import MasterWeightOptimizer, cast_params_
-from k3lab.testing import assert_close
+from k3lab.testing import assert_close, run_interpreter_suite
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 KERNELS_RUN_HERE = INTERPRETED or torch.cuda.is_available()
@@ -28,12 +26,7 @@ needs_kernels = pytest.mark.skipif(not KERNELS_RUN_HERE, reason="runs in test_in
 @pytest.mark.skipif(KERNELS_RUN_HERE, reason="the kernel tests run directly here")
 def test_interpreter_suite():
     """Run this file's kernel tests on CPU under TRITON_INTERPRET=1 in a fresh interpreter."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-o", "addopts=", "-p", "no:cacheprovider",
-           "-m", "not gpu", "-k", "not interpreter_suite"]
-    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
-    assert " passed" in run.stdout and " skipped" not in run.stdout, run.stdout[-2000:]
+    run_interpreter_suite(__file__)
 
 
 def bf16_model(seed=0):

@@ -11,8 +11,6 @@ On a CUDA machine they run directly, and the ``gpu`` tests add model-size shapes
 """
 
 import os
-import subprocess
-import sys
 from itertools import accumulate
 
 import pytest
@@ -24,7 +22,7 @@ from k3lab.kernels import triton_kda_chunk, kda_decode_step
 from k3lab.kernels import kda as kernels_kda
 from k3lab.mixers.chunk import kda_chunk as reference_chunk
 from k3lab.mixers.lineage import kda_recurrent
-from k3lab.testing import assert_close
+from k3lab.testing import assert_close, run_interpreter_suite
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 KERNELS_RUN_HERE = INTERPRETED or torch.cuda.is_available()
@@ -85,11 +83,7 @@ def check_against_reference(B, T, H, K, V, dtype, seed, with_state=True, lengths
 def test_interpreter_suite():
     """Run this file's kernel tests on CPU under TRITON_INTERPRET=1 in a fresh interpreter; numpy's
     overflow warnings are errors there, so no kernel computes an exponent that overflows (even if masked)."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-o", "addopts=", "-p", "no:cacheprovider",
-           "-m", "not gpu", "-k", "not interpreter_suite", "-W", "error:overflow encountered:RuntimeWarning"]
-    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
+    run_interpreter_suite(__file__, "-W", "error:overflow encountered:RuntimeWarning")
 
 
 @needs_kernels
