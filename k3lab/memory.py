@@ -14,7 +14,8 @@ recomputed code is deterministic:
   bf16, one more kernel forward), and each Attention-Residuals depth mix
   (:func:`k3lab.residual.attn_res`) keeps only its sources — which the residual stream holds anyway —
   and recomputes the fp32 stack ``[S, B, T, D]``, its RMS-normalised keys and the softmax in backward
-  (``torch.utils.checkpoint``, non-reentrant). Needs ``backend="triton"`` for the KDA part when the
+  (``torch.utils.checkpoint``, non-reentrant). On backend ``triton`` the mixes that the fused kernel takes
+  (:func:`k3lab.residual.fused_mix_applies`) keep only their sources in every mode, without a checkpoint. Needs ``backend="triton"`` for the KDA part when the
   model has KDA layers (a ValueError names it otherwise: nothing falls back silently).
 * ``"sublayer"``: the AttnRes mixes as in "selective", and every token mixer (``self_attn``) and MLP of every decoder layer
   checkpointed whole: only a sublayer's input is kept, its forward runs again in backward (about one
