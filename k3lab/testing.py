@@ -7,6 +7,12 @@ import sys
 
 import torch
 
+# Where Triton kernel tests run: on the CPU under Triton's interpreter (TRITON_INTERPRET=1, which must be set
+# before triton is imported: run_interpreter_suite starts such a process), else on CUDA when there is a GPU
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+KERNELS_RUN_HERE = INTERPRETED or torch.cuda.is_available()
+KERNEL_DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRETED else "cpu"
+
 
 def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
     """||got - ref|| / ||ref|| in float64 (0 when both are zero)."""

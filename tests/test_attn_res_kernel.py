@@ -5,7 +5,6 @@ stream's choice between the two; and the whole model on the GPU with and without
 On CPU the kernels run under Triton's interpreter, which must be on before triton is imported:
 ``test_interpreter_suite`` re-runs this file in a fresh process with ``TRITON_INTERPRET=1``.
 """
-import os
 
 import pytest
 import torch
@@ -14,11 +13,9 @@ from torch.utils.checkpoint import checkpoint
 
 from k3lab.kernels.attn_res import MAX_SOURCES, attn_res_mix
 from k3lab.residual import AttnResStream, attn_res_normed, attn_res_normed_triton
-from k3lab.testing import assert_close, run_interpreter_suite, saved_bytes
+from k3lab.testing import KERNELS_RUN_HERE, KERNEL_DEVICE, assert_close, run_interpreter_suite, saved_bytes
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-KERNELS_RUN_HERE = INTERPRETED or torch.cuda.is_available()
-DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRETED else "cpu"
+DEVICE = KERNEL_DEVICE
 FP32 = 1e-5  # relative: the same float32 formula, summed in another order
 BF16 = 2e-2  # the reference rounds ∂h to bf16 before the depth mix's backward; the kernel keeps it in float32
 CASES = [(1, 64), (2, 48), (5, 64)]  # (S sources, D width): D=48 is no power of two

@@ -6,7 +6,6 @@ On CPU the kernel runs under Triton's interpreter, which must be on before trito
 ``test_interpreter_suite`` re-runs this file in a fresh process with ``TRITON_INTERPRET=1``.
 """
 import copy
-import os
 
 import pytest
 import torch
@@ -14,11 +13,9 @@ from torch import nn
 
 from k3lab.optim import build_optimizer, set_lr
 from k3lab.precision import MasterWeightOptimizer, cast_params_
-from k3lab.testing import assert_close, run_interpreter_suite
+from k3lab.testing import INTERPRETED, KERNELS_RUN_HERE, KERNEL_DEVICE, assert_close, run_interpreter_suite
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-KERNELS_RUN_HERE = INTERPRETED or torch.cuda.is_available()
-DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRETED else "cpu"
+DEVICE = KERNEL_DEVICE
 FP32 = 1e-6  # relative: the same float32 formula, rounded in another order
 needs_kernels = pytest.mark.skipif(not KERNELS_RUN_HERE, reason="runs in test_interpreter_suite's subprocess")
 

@@ -10,7 +10,6 @@ this file in a fresh process with ``TRITON_INTERPRET=1``, where the kernel tests
 On a CUDA machine they run directly, and the ``gpu`` tests add model-size shapes.
 """
 
-import os
 from itertools import accumulate
 
 import pytest
@@ -22,11 +21,9 @@ from k3lab.kernels import triton_kda_chunk, kda_decode_step
 from k3lab.kernels import kda as kernels_kda
 from k3lab.mixers.chunk import kda_chunk as reference_chunk
 from k3lab.mixers.lineage import kda_recurrent
-from k3lab.testing import assert_close, run_interpreter_suite
+from k3lab.testing import KERNELS_RUN_HERE, KERNEL_DEVICE, assert_close, run_interpreter_suite
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-KERNELS_RUN_HERE = INTERPRETED or torch.cuda.is_available()
-DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRETED else "cpu"
+DEVICE = KERNEL_DEVICE
 TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2}  # relative error, K3 brief
 GATE_LOWER_BOUND = KDA_GATE_LOWER_BOUND
 
