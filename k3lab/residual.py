@@ -76,12 +76,14 @@ def attn_res_normed_triton(sources: Sequence[Tensor], proj: nn.Linear, norm: nn.
 def fused_mix_applies(sources: Sequence[Tensor], post_norm: nn.Module | None) -> bool:
     """Whether :func:`attn_res_normed_triton` takes this call: at most ``MAX_SOURCES`` contiguous sources of one
     dtype (bf16 or float32: fp32 weights under bf16 autocast mix an fp32 embedding with bf16 outputs, which it
-    does not) and a post-norm that is an ``nn.RMSNorm`` with a weight, or none."""
-    from k3lab.kernels.attn_res import DTYPES, MAX_SOURCES
+    does not), of width at most ``MAX_FAST_WIDTH`` (K3's D = 7168 keeps the torch mix), and a post-norm that is
+    an ``nn.RMSNorm`` with a weight, or none."""
+    from k3lab.kernels.attn_res import DTYPES, MAX_FAST_WIDTH, MAX_SOURCES
 
-    return (len(sources) <= MAX_SOURCES and sources[0].dtype in DTYPES and all(
-        s.dtype == sources[0].dtype and s.is_contiguous() for s in sources) and (
-        post_norm is None or (isinstance(post_norm, nn.RMSNorm) and post_norm.weight is not None)))
+    first = sources[0]
+    return (len(sources) <= MAX_SOURCES and first.shape[-1] <= MAX_FAST_WIDTH and first.dtype in DTYPES
+            and all(s.dtype == first.dtype and s.is_contiguous() for s in sources)
+            and (post_norm is None or (isinstance(post_norm, nn.RMSNorm) and post_norm.weight is not None)))
 
 
 class PreNormStream:

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from k3lab.kernels.attn_res import MAX_SOURCES, attn_res_mix
+from k3lab.kernels.attn_res import MAX_FAST_WIDTH, MAX_SOURCES, attn_res_mix
 from k3lab.residual import AttnResStream, attn_res_normed, attn_res_normed_triton
 from k3lab.testing import KERNELS_RUN_HERE, KERNEL_DEVICE, assert_close, run_interpreter_suite, saved_bytes
 
@@ -185,8 +185,8 @@ def run_stream(sources, proj, norm, post, fused_mix, recorder=None):
 @needs_kernels
 def test_stream_takes_the_fused_mix_where_it_applies():
     """AttnResStream with ``fused_mix``: the same output and source gradients as the reference mix (fp32); the
-    reference where the fused mix does not apply — more than MAX_SOURCES sources, sources of two dtypes, a
-    depth-weight recorder — so those calls equal the reference bit for bit."""
+    reference where the fused mix does not apply — more than MAX_SOURCES sources, sources of two dtypes, rows
+    wider than MAX_FAST_WIDTH, a depth-weight recorder — so those calls equal the reference bit for bit."""
     proj, norm, post = modules(48)
     sources = make_sources(3, 48, torch.float32)
     ref = run_stream(sources, proj, norm, post, None)
@@ -204,6 +204,9 @@ def test_stream_takes_the_fused_mix_where_it_applies():
     mixed = [sources[0].detach().double().float(), *[x.detach().bfloat16() for x in sources[1:]]]
     for case in (many, mixed):
         assert torch.equal(run_stream(case, proj, norm, post, must_not_run), run_stream(case, proj, norm, post, None))
+    wide = make_sources(2, MAX_FAST_WIDTH + 16, torch.float32, rows=(1,))
+    wide_modules = modules(MAX_FAST_WIDTH + 16)
+    assert torch.equal(run_stream(wide, *wide_modules, must_not_run), run_stream(wide, *wide_modules, None))
     records = []
     assert torch.equal(run_stream(sources, proj, norm, post, must_not_run, records), ref)
     assert len(records) == 1 and records[0][1].shape == (3,)  # the depth weights need the reference path
