@@ -36,10 +36,13 @@ from k3lab.precision import MOMENT_DTYPES, PARAM_DTYPES, MasterWeightOptimizer, 
 
 KINDS = [  # (kind, regex on the CUDA kernel name), first match wins
     ("our KDA kernels (Triton)", r"^kda_"),
-    ("grouped expert GEMMs", r"grouped|GroupedGemm|group_gemm"),
+    ("our AttnRes mix kernels (Triton)", r"^attn_res_"),
+    ("our fused AdamW (Triton)", r"master_adamw"),
+    ("inductor-fused Triton", r"^triton_"),  # before the GEMMs: inductor names some SiTU kernels "..._grouped_mm_..."
+    # torch's CUTLASS 3.x kernels (at::cuda::detail): in a bf16 step, F.grouped_mm's expert GEMMs
+    ("grouped expert GEMMs", r"enable_3x_kernel_for_sm9x|GroupProblemShape|grouped|group_gemm"),
     ("dense GEMMs (cuBLAS/CUTLASS)", r"gemm|Gemm|cutlass|nvjet|sm90_xmma|ampere_|wgrad|dgrad|splitK"),
     ("SDPA / flash attention", r"flash|fmha|attention|cudnn"),
-    ("inductor-fused Triton", r"^triton_"),
     ("reductions / norms (aten)", r"reduce|Reduce|norm|softmax|Softmax"),
     ("copies / casts (aten)", r"copy|Copy|CatArray|index|Index|gather|scatter|Scatter"),
     ("elementwise (aten)", r"elementwise|vectorized|unrolled"),

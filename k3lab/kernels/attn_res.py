@@ -90,7 +90,7 @@ def _mix(V, s, q, e1, e2, S: tl.constexpr, D: tl.constexpr, BF16: tl.constexpr, 
 
 
 @triton.jit
-def _forward_kernel(v0, v1, v2, v3, v4, v5, v6, v7, q_ptr, g2_ptr, out_ptr, e1, e2,
+def attn_res_fwd_kernel(v0, v1, v2, v3, v4, v5, v6, v7, q_ptr, g2_ptr, out_ptr, e1, e2,
                     S: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
                     BF16: tl.constexpr, HAS_POST: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)                     # one row per program
@@ -108,7 +108,7 @@ def _forward_kernel(v0, v1, v2, v3, v4, v5, v6, v7, q_ptr, g2_ptr, out_ptr, e1, 
 
 
 @triton.jit
-def _backward_kernel(v0, v1, v2, v3, v4, v5, v6, v7, g0, g1, g2_, g3, g4, g5, g6, g7,
+def attn_res_bwd_kernel(v0, v1, v2, v3, v4, v5, v6, v7, g0, g1, g2_, g3, g4, g5, g6, g7,
                      dout_ptr, q_ptr, post_ptr, dq_part, dpost_part, N, e1, e2,
                      S: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
                      BF16: tl.constexpr, HAS_POST: tl.constexpr):
@@ -170,7 +170,7 @@ class _AttnResMix(torch.autograd.Function):
         out = torch.empty_like(v)                           # [..., D]
         N = v.numel() // D
         if N > 0:
-            _forward_kernel[(N,)](*_padded(list(sources)), q, v if post_weight is None else post_weight, out, e1, e2,
+            attn_res_fwd_kernel[(N,)](*_padded(list(sources)), q, v if post_weight is None else post_weight, out, e1, e2,
                                   BF16=v.dtype == torch.bfloat16, HAS_POST=post_weight is not None,
                                   **_config(len(sources), D))
         ctx.save_for_backward(q, post_weight, *sources)     # the inputs only
@@ -187,7 +187,7 @@ class _AttnResMix(torch.autograd.Function):
         dq_part = torch.zeros(programs, D, dtype=torch.float32, device=v.device)  # [programs, D]
         dpost_part = torch.zeros_like(dq_part) if post_weight is not None else dq_part
         if N > 0:
-            _backward_kernel[(programs,)](*_padded(list(sources)), *_padded(grads), d_out.contiguous(), q,
+            attn_res_bwd_kernel[(programs,)](*_padded(list(sources)), *_padded(grads), d_out.contiguous(), q,
                                           v if post_weight is None else post_weight, dq_part, dpost_part, N,
                                           *ctx.eps, BF16=v.dtype == torch.bfloat16,
                                           HAS_POST=post_weight is not None, **_config(len(sources), D))
