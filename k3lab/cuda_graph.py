@@ -53,7 +53,8 @@ WARMUP_CALLS = 2  # eager steps before the capture: the first compiles, the seco
 
 
 class GraphedForwardBackward:
-    """``model(x, labels=y)`` and ``loss.backward()`` as one CUDA graph after ``warmup`` eager calls."""
+    """``model(x, labels=y)``, ``loss.backward()`` and ``after_backward()`` (the gradient norm) as one CUDA graph
+    after ``warmup`` eager calls."""
 
     def __init__(self, model: nn.Module, autocast_dtype: torch.dtype | None = torch.bfloat16,
                  warmup: int = WARMUP_CALLS, after_backward=None):

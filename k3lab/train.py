@@ -8,7 +8,8 @@ autocast if asked), backward, global grad-norm clip, optimizer step, ``model.aft
 when the model defines it (MoE balancer updates, QK-Clip). One host sync a step: after backward, the
 loss, the gradient norm and the logged metrics are read back together (a non-finite loss or norm stops
 the run there, before the update). ``compile="sublayer"`` compiles each
-decoder layer's mixer and MLP first (:mod:`k3lab.compile`). The model's ``loss`` is the objective:
+decoder layer's mixer and MLP first (:mod:`k3lab.compile`). ``cuda_graph=True`` replays the same step as two
+CUDA graphs, split at that sync (:mod:`k3lab.cuda_graph`). The model's ``loss`` is the objective:
 a model adds its own auxiliary/MTP terms into it (``aux_loss`` and ``metrics`` are only logged).
 
 Precision: ``dtype="bfloat16"`` runs forward and backward under bf16 autocast. ``param_dtype="bfloat16"``
@@ -90,8 +91,9 @@ class TrainConfig:
     recompute: str = "none"                   # RECOMPUTE_MODES: "none" | "selective" | "mixer" | "sublayer" (k3lab.memory)
     recompute_layers: int | None = None       # with "mixer" / "sublayer": checkpoint this many decoder layers
                                               # (spread over depth; the others "selective"); None = all
-    cuda_graph: bool = False                  # True (CUDA): forward + backward replayed as one CUDA graph after
-                                              # two eager steps (k3lab.cuda_graph); every batch one shape
+    cuda_graph: bool = False                  # True (CUDA): after two eager steps, forward + backward + norm and (bf16
+                                              # params, AdamW) the update replayed as CUDA graphs (k3lab.cuda_graph);
+                                              # every batch one shape
     progress: bool = True                     # tqdm progress bar
     name: str = "train"                       # run name: the progress bar's label
 

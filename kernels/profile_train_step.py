@@ -202,7 +202,7 @@ def main():
                              "activation_memory_budget=0.5 (AOTAutograd's partitioner: what compiled graphs save)")
     parser.add_argument("--fused-loss", action="store_true", help="chunked linear cross-entropy (model.fused_loss)")
     parser.add_argument("--cuda-graph", action="store_true",
-                        help="forward + backward as one CUDA graph after two eager steps (TrainConfig.cuda_graph)")
+                        help="the step as two CUDA graphs after two eager steps, as fit runs it (TrainConfig.cuda_graph)")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--optimizer", default="adamw", choices=("adamw", "muon"))

@@ -1,4 +1,4 @@
-"""TrainConfig(cuda_graph=True): forward + backward captured as one CUDA graph (k3lab.cuda_graph).
+"""TrainConfig(cuda_graph=True): forward + backward + norm, then the update, captured as two CUDA graphs (k3lab.cuda_graph).
 
 On the GPU: a graphed run of fit equals the eager run step for step (losses, gradient norms, weights,
 the balancer's bias), with compiled sublayers, bf16 weights and the fused master AdamW. Everywhere: the
