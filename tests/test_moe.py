@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from k3lab.config import ModelConfig
-from k3lab.moe.latent import DispatchRows, LatentMoE, LocalDispatcher, RoutedExperts, merge_expert_weights, split_expert_weights
+from k3lab.moe.latent import DispatchRows, LatentMoE, inverse_permutation, LocalDispatcher, RoutedExperts, merge_expert_weights, split_expert_weights
 from k3lab.moe.router import (AuxLossBalancer, LossFreeBalancer, QuantileBalancer, SigmoidRouter, expert_load,
                               make_balancer, max_violation, route_scores)
 from k3lab.moe.simulate import FIG5_SCORES, sharded_histogram_update, simulate_balancing, skewed_scores
@@ -184,7 +184,7 @@ def test_dispatch_backward_sums_each_tokens_slots(dtype):
     idx = torch.stack([torch.randperm(E)[:k] for _ in range(N)])  # [N, k]
     x = torch.randn(N, L, dtype=dtype, requires_grad=True)
     _, plan = LocalDispatcher().dispatch(x.detach(), idx, E)  # the CPU takes index_select; CUDA DispatchRows
-    xs = DispatchRows.apply(x, plan.order, k)
+    xs = DispatchRows.apply(x, plan.order, inverse_permutation(plan.order), k)
     grad = torch.randn(N * k, L, dtype=dtype)
     xs.backward(grad)
     x64 = x.detach().double().requires_grad_()

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from k3lab.backend import BACKENDS, resolve_backend
 from k3lab.moe.router import SigmoidRouter, expert_load, make_balancer
 from k3lab.moe.situ import ACTIVATIONS, SiTUMLP, glu_activation, glu_down
 
@@ -54,30 +55,41 @@ class DispatchPlan:
     num_tokens: int  # N
     top_k: int       # k
     data: object = None  # dispatcher-specific (expert parallel: split sizes, the balancing plan)
+    inverse: Tensor | None = None  # [N·k] int64 the inverse of ``order`` (made where a fused path reads it)
 
 
 class DispatchRows(torch.autograd.Function):
     r"""``x_sorted = x[order // k]``: each of the N tokens copied to its k slots, in expert order.
 
     The backward sums each token's k slot gradients, ``x̄_n = Σ_j ȳ[inv(n·k + j)]`` (``inv`` the inverse
-    permutation of ``order``), as a gather into slot order and a sum over k in float32 — what
-    ``index_select``'s own backward computes with ``index_add`` (atomic adds, k to each row, rounded
-    to the gradient's dtype one add at a time in bf16). Same sum, one rounding; no atomics.
+    permutation of ``order``, from :meth:`LocalDispatcher.dispatch`), in float32: a gather into slot order
+    and a sum over k (torch), or the fused gather-sum of :func:`k3lab.kernels.moe_rows.gather_sum`
+    (``fused``: backend triton) — what ``index_select``'s own backward computes with ``index_add`` (atomic
+    adds, k to each row, rounded to the gradient's dtype one add at a time in bf16). Same sum, one rounding;
+    no atomics.
     """
 
     @staticmethod
-    def forward(ctx, x: Tensor, order: Tensor, k: int) -> Tensor:
-        ctx.save_for_backward(order)
-        ctx.k = k
+    def forward(ctx, x: Tensor, order: Tensor, inverse: Tensor, k: int, fused: bool = False) -> Tensor:
+        ctx.save_for_backward(inverse)
+        ctx.k, ctx.fused = k, fused
         return x.index_select(0, order // k)  # [N·k, L]
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        (order,) = ctx.saved_tensors
-        inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+        (inverse,) = ctx.saved_tensors
+        if ctx.fused:
+            from k3lab.kernels.moe_rows import gather_sum
+
+            return gather_sum(grad.contiguous(), inverse, ctx.k), None, None, None, None
         by_slot = grad.index_select(0, inverse).view(-1, ctx.k, grad.shape[-1])  # [N, k, L] slot order
         acc = torch.promote_types(grad.dtype, torch.float32)
-        return by_slot.sum(1, dtype=acc).to(grad.dtype), None, None
+        return by_slot.sum(1, dtype=acc).to(grad.dtype), None, None, None, None
+
+
+def inverse_permutation(order: Tensor) -> Tensor:
+    """``inv`` with ``inv[order[i]] = i`` ([S] int64; ``order`` a permutation of 0..S-1)."""
+    return torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
 
 
 class LocalDispatcher:
@@ -87,7 +99,20 @@ class LocalDispatcher:
     (:mod:`k3lab.parallel.expert`) replace ``run`` as a whole and also record
     ``last_slots_per_rank`` ([R] int64: token slots each rank of the EP group computed in the last
     forward); this one records nothing.
+
+    backend (``cfg.backend``): on "triton" (``auto`` on CUDA) the dispatch's backward and the combine run
+    as the fused row kernels of :mod:`k3lab.kernels.moe_rows` (gather straight from the sorted rows, no
+    slot-order copy); elsewhere as torch ops. Both equal within float32 rounding.
     """
+
+    def __init__(self, backend: str = "torch"):
+        if backend not in BACKENDS:
+            raise ValueError(f"backend={backend!r}: allowed values are {BACKENDS}")
+        self.backend = backend
+
+    def fused(self, x: Tensor) -> bool:
+        """Whether the fused row kernels run for tensors on ``x``'s device."""
+        return resolve_backend(self.backend, x.device) == "triton"
 
     def run(self, z: Tensor, topk_idx: Tensor, topk_weight: Tensor, experts: "RoutedExperts") -> Tensor:
         """z [N, L], topk_idx [N, k], topk_weight [N, k] -> u [N, L] fp32 = Σ_j p_j·E_{T_j}(z):
@@ -102,13 +127,21 @@ class LocalDispatcher:
         flat = topk_idx.reshape(-1)                                   # [N·k]
         order = flat.argsort(stable=True)                             # [N·k]
         counts = expert_load(flat, num_experts)                       # [E], no host sync
+        plan = DispatchPlan(order, counts, N, k)
         # CUDA: index_select's backward is index_add with atomics (bf16: k rounded adds a row, in no fixed
         # order); DispatchRows sums the k slots in float32 instead. CPU: index_add adds in order, no atomics
-        x_sorted = DispatchRows.apply(x, order, k) if x.is_cuda else x.index_select(0, order // k)
-        return x_sorted, DispatchPlan(order, counts, N, k)
+        if x.is_cuda or self.fused(x):
+            plan.inverse = inverse_permutation(order)
+            return DispatchRows.apply(x, order, plan.inverse, k, self.fused(x)), plan
+        return x.index_select(0, order // k), plan
 
     def combine(self, y_sorted: Tensor, plan: DispatchPlan, topk_weight: Tensor) -> Tensor:
         """y_sorted [N·k, L] (expert outputs), topk_weight [N, k] fp32 -> u [N, L] fp32 = Σ_j p_j·y_j."""
+        if self.fused(y_sorted):
+            from k3lab.kernels.moe_rows import combine_rows
+
+            inverse = inverse_permutation(plan.order) if plan.inverse is None else plan.inverse
+            return combine_rows(y_sorted.contiguous(), inverse, topk_weight.float())  # [N, L] fp32
         y = torch.zeros_like(y_sorted).index_copy(0, plan.order, y_sorted)         # [N·k, L] slot order
         y = y.view(plan.num_tokens, plan.top_k, -1)                                 # [N, k, L]
         return (y * topk_weight[..., None].float()).sum(1)                          # bf16 × fp32 -> fp32
@@ -225,7 +258,7 @@ class LatentMoE(nn.Module):
             self.routed_expert_up_proj = nn.Linear(L, D, bias=False)                # W↑ [D, L]
         self.experts = RoutedExperts(E, L, I, init_std=cfg.initializer_range, impl=expert_impl, **act)
         self.shared_experts = SiTUMLP(D, cfg.n_shared_experts * I, **act) if cfg.n_shared_experts > 0 else None
-        self.dispatcher = LocalDispatcher()
+        self.dispatcher = LocalDispatcher(cfg.backend)
         self.balancer = make_balancer(cfg.balancer, self.gate, num_bins=cfg.qb_num_bins,
                                       aux_loss_coef=cfg.aux_loss_coef)
         self.aux_loss: Tensor | None = None
