@@ -225,18 +225,18 @@ def glu_down(gate: Tensor, up: Tensor, weight: Tensor, offs: Tensor | None = Non
     betas = (float(beta), float(linear_beta)) if act == "situ" else ()
     if torch.compiler.is_compiling():
         # traced, an autograd.Function's own choice of saved tensors is the partitioner's to remake, and it keeps
-        # h; a checkpointed region keeps its inputs only, and the partitioner recomputes from them just what
-        # backward reads: h (the elementwise chain), not the matmul. Same math, h fused into the kernels.
-        return checkpoint(_glu_down_traced, gate, up, weight, offs, act, betas, use_reentrant=False,
-                          preserve_rng_state=False)
+        # h; a checkpointed region keeps its inputs only, and the partitioner recomputes from them what backward
+        # reads of it: h (the elementwise chain). The matmul stays outside the region: were it inside, a later op
+        # that saves the output (the MoE combine's router-weight gradient reads the expert outputs) would make the
+        # partitioner recompute the matmul in backward too. Same math, h fused into the kernels.
+        h = checkpoint(_glu_act_traced, gate, up, act, betas, use_reentrant=False, preserve_rng_state=False)
+        return _down(h, weight.to(h.dtype), offs)
     return GLUDownFunction.apply(gate, up, weight, offs, act, betas)
 
 
-def _glu_down_traced(gate: Tensor, up: Tensor, weight: Tensor, offs: Tensor | None, act: str,
-                     betas: tuple[float, ...]) -> Tensor:
-    """``act(gate, up) @ Wᵀ`` as plain ops (under torch.compile: inductor fuses the activation and derives its backward)."""
-    h = _ACT_PASSES[act][0](gate, up, *betas)[0]
-    return _down(h, weight.to(h.dtype), offs)
+def _glu_act_traced(gate: Tensor, up: Tensor, act: str, betas: tuple[float, ...]) -> Tensor:
+    """``act(gate, up)`` as plain ops (under torch.compile: inductor fuses the activation and derives its backward)."""
+    return _ACT_PASSES[act][0](gate, up, *betas)[0]
 
 
 def _check_pair(gate: Tensor, up: Tensor) -> None:
