@@ -16,17 +16,19 @@ accumulates it and ``p`` moves once the sum crosses the rounding boundary. ``p =
 every step: ``p`` and ``w`` differ by at most half a bf16 ulp of ``w``.
 
 Bytes per trainable parameter, beside the optimizer state (AdamW: 8, fp32 moments; Muon: 4, fp32
-momentum, on its matrices), which is the same in both cases::
+momentum, on its matrices), which is the same in all cases::
 
-                                      between steps     end of backward          optimizer step
-    param_dtype="float32"             p 4               p 4 + g 4 = 8            8
-    param_dtype="bfloat16"            p 2 + w 4 = 6     p 2 + g 2 + w 4 = 8      p 2 + w 4 + G 4 = 10
+                                            between steps      end of backward           optimizer step
+    param_dtype="float32"                   p 4                p 4 + g 4 = 8             8
+    param_dtype="bfloat16"                  p 2 + w 4 = 6      p 2 + g 2 + w 4 = 8       p 2 + w 4 + G 4 = 10
+      master_format="split" (fused only)    p 2 + lo 2 = 4     p 2 + g 2 + lo 2 = 6      6 (no G)
 
-(``G`` replaces ``g`` one parameter at a time, so the step peaks at 10, not 12.) float32 parameters under
-bf16 autocast also hold a bf16 copy of every weight during forward and backward (+2, autocast's cast,
-kept for backward), which bf16 parameters do not need. So the parameter side costs about the same;
-what bf16 parameters save is that per-step cast of every weight (a 4 B read and a 2 B write per
-parameter) and, in a distributed run, half the bytes of every gradient reduced.
+(``G`` replaces ``g`` one parameter at a time, so the step peaks at 10, not 12; the fused step makes no
+``G``: 8 with float32 masters.) float32 parameters under bf16 autocast also hold a bf16 copy of every
+weight during forward and backward (+2, autocast's cast, kept for backward), which bf16 parameters do not
+need. So the parameter side costs about the same; what bf16 parameters save is that per-step cast of
+every weight (a 4 B read and a 2 B write per parameter) and, in a distributed run, half the bytes of
+every gradient reduced.
 
 Updates made to the bf16 parameters outside the optimizer (QK-Clip rescales MLA rows in
 ``model.after_optimizer_step()``) are taken into the masters: a parameter whose in-place version
@@ -45,10 +47,34 @@ step only) stores AdamW's ``exp_avg`` and ``exp_avg_sq`` in bf16, rounded to nea
 update (:mod:`k3lab.kernels.adamw` says what that rounding costs): 12 bytes a parameter for the
 optimizer side instead of 16 (``small``: 6.3 GiB less).
 
+Split masters (``master_format="split"``, :data:`MASTER_FORMATS`; the fused step only): no fp32 tensor is
+kept. The bf16 parameter ``p`` is the master's high half and an int16 tensor ``lo`` the rest, on the raw
+bit patterns (:func:`join_master`, :func:`split_master`; the kernel does the same in integer operations)::
+
+    bits(w) = (bits(p) << 16) + lo      int32 arithmetic (mod 2³²) on w's fp32 bits; lo ∈ [−32768, 32767]
+    hi = (b + 0x8000) >> 16             the split of b = bits(w) (as uint32; logical shift)
+    lo = b − (hi << 16),  p = the bf16 with bits hi
+
+The master is exact: ``join(p, lo)`` is, bit for bit, the float32 master the ``"float32"`` format would hold
+(the same kernel arithmetic on the same ``w``), and so are the moments. ``p`` is ``bf16(w)`` except at exact
+ties (``w``'s low 16 bits 0x8000), which the split rounds away from zero where nearest-even rounds to even;
+a NaN master becomes the quiet NaN (``p`` = 0x7FC0, ``lo`` = 0), its payload lost. 2 bytes a parameter
+less (``small``: 1.68B parameters, 3.35 GiB), and 18 bytes of kernel traffic a parameter instead of 20 (bf16
+moments). :attr:`MasterWeightOptimizer.masters` are then the ``lo`` tensors: the wrapped
+``torch.optim.AdamW`` holds them in its ``param_groups`` and keys its state (``step``, ``exp_avg``,
+``exp_avg_sq``) by them; it never steps them itself. Outside updates: :meth:`~MasterWeightOptimizer.sync_from_params`
+does nothing, the master is always ``join(p, lo)``. A changed ``p`` keeps the old low bits, so ``w`` moves
+with ``p`` and stays within half a bf16 ulp of it, and ``p`` is still its rounding — where the float32
+format sets ``w ← float32(p)`` on the changed elements, dropping the sub-ulp part (the two differ there by
+at most that). A write of ±0 or ±inf over a ``p`` whose ``lo`` points the other way (a ``lo`` < 0 under ±0,
+> 0 under ±inf) would join into a NaN; a split never makes such a pair, and QK-Clip's scaling by
+``γ ∈ (0, 1]`` does not either unless a weight underflows to 0.
+
 Checkpoints: ``state_dict()`` is the wrapped optimizer's, with each parameter's master added to its
-state under ``"master"`` (so :mod:`k3lab.checkpoint` writes it into ``optimizer.safetensors``);
-``load_state_dict()`` restores the masters exactly and copies ``bf16(w)`` into the model, so a resumed
-run continues bit for bit.
+state under ``"master"`` as an fp32 tensor in either format (so :mod:`k3lab.checkpoint` writes it into
+``optimizer.safetensors``, and a checkpoint resumes in either format); ``load_state_dict()`` restores the
+masters exactly and copies ``bf16(w)`` into the model (split: ``(p, lo) = split(w)``), so a resumed run
+continues bit for bit.
 """
 from __future__ import annotations
 
@@ -57,9 +83,50 @@ from torch import Tensor, nn
 
 PARAM_DTYPES = ("float32", "bfloat16")  # TrainConfig.param_dtype: "bfloat16" = bf16 params + fp32 masters
 MOMENT_DTYPES = ("float32", "bfloat16")  # TrainConfig.moment_dtype: AdamW's m and v (bf16: the fused step only)
+MASTER_FORMATS = ("float32", "split")    # TrainConfig.master_format: fp32 masters as such, or p + int16 lo (fused only)
 MASTER_KEY = "master"                    # the masters' key in each parameter's optimizer state
 
-__all__ = ["PARAM_DTYPES", "MOMENT_DTYPES", "MASTER_KEY", "cast_params_", "MasterWeightOptimizer"]
+__all__ = ["PARAM_DTYPES", "MOMENT_DTYPES", "MASTER_FORMATS", "MASTER_KEY", "cast_params_", "split_master",
+           "join_master", "MasterWeightOptimizer"]
+
+
+def split_master(w: Tensor) -> tuple[Tensor, Tensor]:
+    """The split master format of an fp32 tensor ``w`` -> ``(p bf16, lo int16)``, both of ``w``'s shape, with
+    ``bits(w) = (bits(p) << 16) + lo`` (int32, mod 2³²); the reference for the fused kernel's split. On the
+    uint32 bit pattern ``b`` of each element (in int64 here, so every shift is a logical one)::
+
+        hi = (b + 0x8000) >> 16          round to nearest on the magnitude, ties away from zero
+        lo = b − (hi << 16)              = ((b + 0x8000) & 0xFFFF) − 0x8000 ∈ [−32768, 32767]
+        p  = the bf16 with bits hi       (mod 2¹⁶)
+
+    ``p = w.to(torch.bfloat16)`` except where ``b``'s low 16 bits are 0x8000 (a tie: away from zero, where
+    nearest even may round the other way). ±inf -> (±inf, 0); ±(largest finite) -> (±inf, −1); NaN -> (0x7FC0,
+    0), whatever its payload (so ``join_master`` gives a NaN back, not the same one). ValueError unless ``w`` is
+    float32."""
+    if w.dtype != torch.float32:
+        raise ValueError(f"split_master: w must be a float32 tensor, got {w.dtype}")
+    bits = w.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF  # uint32 bit patterns, in [0, 2³²)
+    rounded = bits + 0x8000
+    hi = (rounded >> 16) & 0xFFFF    # mod 2¹⁶: b >= 0xFFFF8000 (negative NaNs) wraps, replaced below
+    lo = (rounded & 0xFFFF) - 0x8000
+    nan = (bits & 0x7FFFFFFF) > 0x7F800000
+    hi = torch.where(nan, 0x7FC0, hi)
+    lo = torch.where(nan, 0, lo)
+    p = (hi - ((hi >> 15) << 16)).to(torch.int16).view(torch.bfloat16)  # [0, 2¹⁶) -> the int16 of the same bits
+    return p, lo.to(torch.int16)
+
+
+def join_master(p: Tensor, lo: Tensor) -> Tensor:
+    """The fp32 master of the split format: ``bits(w) = (bits(p) << 16) + lo`` (int32 arithmetic, mod 2³²),
+    from ``p`` bf16 and ``lo`` int16 of one shape; a new float32 tensor on their device. The reference for the
+    fused kernel's join; :func:`split_master`'s inverse (bit for bit, NaNs aside). ValueError on other dtypes
+    or shapes."""
+    if p.dtype != torch.bfloat16 or lo.dtype != torch.int16 or p.shape != lo.shape:
+        raise ValueError(f"join_master: p must be bfloat16 and lo int16 of one shape, got p {p.dtype} "
+                         f"{tuple(p.shape)}, lo {lo.dtype} {tuple(lo.shape)}")
+    bits = p.contiguous().view(torch.int16).to(torch.int64) * 65536 + lo.to(torch.int64)  # ≡ (bits(p) << 16) + lo
+    bits = ((bits + 2**31) & 0xFFFFFFFF) - 2**31  # mod 2³², into int32's range
+    return bits.to(torch.int32).view(torch.float32)
 
 
 def cast_params_(model: nn.Module, dtype: str = "bfloat16") -> int:
@@ -98,14 +165,26 @@ class MasterWeightOptimizer:
     lists such as Muon's ``heads`` stay aligned). ``param_groups`` and ``state`` are the wrapped
     optimizer's (``k3lab.optim.set_lr`` works on them). ``masters`` lists the masters in the
     model's ``parameters()`` order (trainable parameters only).
+
+    ``master_format`` (:data:`MASTER_FORMATS`): ``"float32"``, the masters are fp32 tensors; ``"split"`` (the
+    fused step only, ValueError otherwise), the masters are int16 tensors ``lo``, zero at construction (the
+    parameters are bf16 already, so the master is exactly ``float32(p)``), and the fp32 master is
+    ``join_master(p, lo)`` (the module docstring; :meth:`float32_masters`). torch's AdamW takes the int16
+    tensors in its ``param_groups`` as it takes any leaf tensor (it checks no dtype there, and on load casts
+    state only to floating parameters' dtypes, so the moments keep theirs); only the fused kernel reads and
+    writes them, :meth:`step` never calls the wrapped ``step()`` in this format.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, fused: bool | None = None,
-                 moment_dtype: str = "float32"):
+                 moment_dtype: str = "float32", master_format: str = "float32"):
         if optimizer.state:
             raise ValueError("MasterWeightOptimizer: wrap the optimizer before its first step (it already has state)")
         if isinstance(optimizer, MasterWeightOptimizer):
             raise ValueError("MasterWeightOptimizer: the optimizer is already wrapped")
+        if moment_dtype not in MOMENT_DTYPES:
+            raise ValueError(f"TrainConfig.moment_dtype={moment_dtype!r}: allowed values are {MOMENT_DTYPES}")
+        if master_format not in MASTER_FORMATS:
+            raise ValueError(f"TrainConfig.master_format={master_format!r}: allowed values are {MASTER_FORMATS}")
         in_groups = {id(p) for g in optimizer.param_groups for p in g["params"]}
         self.optimizer = optimizer
         self.params: list[nn.Parameter] = [p for p in model.parameters() if id(p) in in_groups]
@@ -114,22 +193,29 @@ class MasterWeightOptimizer:
                              "are not parameters of the model")
         if any(not p.is_floating_point() for p in self.params):
             raise ValueError("MasterWeightOptimizer: every optimized parameter must be floating point")
-        self.masters: list[Tensor] = [p.detach().to(torch.float32, copy=True) for p in self.params]
+        why_not = self._why_not_fused()
+        if fused and why_not:
+            raise ValueError(f"MasterWeightOptimizer(fused=True): {why_not}; use fused=False (or None: fused where it applies)")
+        self.fused = why_not is None if fused is None else bool(fused)
+        if moment_dtype != "float32" and not self.fused:
+            raise ValueError(f"TrainConfig.moment_dtype={moment_dtype!r} needs the fused AdamW step, which does not "
+                             f"run here: {why_not or 'fused=False was asked for'}; use moment_dtype='float32'")
+        if master_format == "split" and not self.fused:
+            raise ValueError(f"TrainConfig.master_format={master_format!r} needs the fused AdamW step (only its kernel "
+                             "rebuilds the master from the bf16 parameter and its int16 low half, and splits it back), "
+                             f"which does not run here: {why_not or 'fused=False was asked for'}; "
+                             "use master_format='float32'")
+        self.moment_dtype = getattr(torch, moment_dtype)
+        self.master_format = master_format
+        if master_format == "split":  # lo = 0: join(p, 0) = float32(p), the master of a bf16 parameter
+            self.masters: list[Tensor] = [torch.zeros_like(p, dtype=torch.int16) for p in self.params]
+        else:
+            self.masters = [p.detach().to(torch.float32, copy=True) for p in self.params]
         master_of = {id(p): w for p, w in zip(self.params, self.masters)}
         for g in optimizer.param_groups:
             g["params"] = [master_of[id(p)] for p in g["params"]]
         self._versions = [p._version for p in self.params]
         self._param_of = {id(w): p for p, w in zip(self.params, self.masters)}
-        why_not = self._why_not_fused()
-        if fused and why_not:
-            raise ValueError(f"MasterWeightOptimizer(fused=True): {why_not}; use fused=False (or None: fused where it applies)")
-        self.fused = why_not is None if fused is None else bool(fused)
-        if moment_dtype not in MOMENT_DTYPES:
-            raise ValueError(f"TrainConfig.moment_dtype={moment_dtype!r}: allowed values are {MOMENT_DTYPES}")
-        if moment_dtype != "float32" and not self.fused:
-            raise ValueError(f"TrainConfig.moment_dtype={moment_dtype!r} needs the fused AdamW step, which does not "
-                             f"run here: {why_not or 'fused=False was asked for'}; use moment_dtype='float32'")
-        self.moment_dtype = getattr(torch, moment_dtype)
         self._keep_grads = False
         self._clip: Tensor | None = None  # the fused step's clip coefficient (0-d float32, on the device)
         self._steps: dict[int, int] = {}  # id(master) -> AdamW step count on the host (the kernel's bias corrections)
@@ -173,14 +259,28 @@ class MasterWeightOptimizer:
         return self.optimizer.state
 
     def __repr__(self) -> str:
-        return f"MasterWeightOptimizer(fp32 masters of {len(self.params)} parameters, {self.optimizer!r})"
+        kind = "split fp32 masters (bf16 p + int16 lo)" if self.master_format == "split" else "fp32 masters"
+        return f"MasterWeightOptimizer({kind} of {len(self.params)} parameters, {self.optimizer!r})"
+
+    @torch.no_grad()
+    def float32_masters(self) -> list[Tensor]:
+        """The fp32 masters in :attr:`masters`' order: the masters themselves (``"float32"``), or new tensors
+        ``join_master(p, lo)`` (``"split"``)."""
+        if self.master_format == "split":
+            return [join_master(p, lo) for p, lo in zip(self.params, self.masters)]
+        return list(self.masters)
 
     # -- the step -------------------------------------------------------------------------------
     @torch.no_grad()
     def sync_from_params(self) -> int:
         """Take updates made to the model's parameters outside :meth:`step` into the masters:
         ``w ← float32(p)`` where ``p ≠ bf16(w)``, for the parameters whose version counter changed
-        since the last copy-back (QK-Clip). Returns how many parameters were looked at."""
+        since the last copy-back (QK-Clip). Returns how many parameters were looked at.
+
+        ``master_format="split"``: nothing to do (returns 0): the master is ``join(p, lo)``, so a changed ``p``
+        changes it, keeping its low bits (the module docstring)."""
+        if self.master_format == "split":
+            return 0
         changed = 0
         for i, (p, w) in enumerate(zip(self.params, self.masters)):
             if p._version != self._versions[i]:
@@ -192,7 +292,12 @@ class MasterWeightOptimizer:
     @torch.no_grad()
     def grads_to_masters(self) -> list[Tensor]:
         """``w.grad = float32(p.grad)`` for every parameter (None where ``p.grad`` is None), freeing
-        ``p.grad``; returns :attr:`masters` (pass them to the grad-norm clip)."""
+        ``p.grad``; returns :attr:`masters` (pass them to the grad-norm clip). The unfused path: ValueError
+        with ``master_format="split"``, whose int16 masters cannot hold fp32 gradients."""
+        if self.master_format == "split":
+            raise ValueError("MasterWeightOptimizer.grads_to_masters: TrainConfig.master_format='split' keeps its "
+                             "masters as int16 low halves, which hold no fp32 gradient; it runs only the fused step "
+                             "(clip_grad_norm_, then step)")
         self.sync_from_params()
         for p, w in zip(self.params, self.masters):
             w.grad = None if p.grad is None else p.grad.float()
@@ -294,6 +399,8 @@ class MasterWeightOptimizer:
             raise ValueError("MasterWeightOptimizer.step: closures are not supported")
         if self.fused and (self.keep_grads or any(p.grad is not None for p in self.params)):
             return self._fused_step()
+        if self.master_format == "split":  # no gradient, so nothing to step (the wrapped step cannot step int16)
+            return None
         if any(p.grad is not None for p in self.params):
             raise RuntimeError("MasterWeightOptimizer.step: the model's parameters still hold their gradients; "
                                "call grads_to_masters() (and clip the masters' grads) before step()")
@@ -311,26 +418,36 @@ class MasterWeightOptimizer:
 
     @torch.no_grad()
     def _copy_to_params(self) -> None:
+        if self.master_format == "split":
+            raise ValueError("MasterWeightOptimizer: TrainConfig.master_format='split' has no fp32 master to copy "
+                             "into the parameters (they are the masters' high halves)")
         torch._foreach_copy_(self.params, self.masters)  # fp32 -> the parameter's dtype: round to nearest even
         self._versions = [p._version for p in self.params]
 
     # -- checkpoints ----------------------------------------------------------------------------
+    @torch.no_grad()
     def state_dict(self) -> dict:
         """The wrapped optimizer's state_dict, each parameter's state with its fp32 master under
-        :data:`MASTER_KEY` (every parameter has one, stepped or not)."""
+        :data:`MASTER_KEY` (every parameter has one, stepped or not), in either format: ``"float32"``, a
+        reference to the master; ``"split"``, ``join_master(p, lo)``, made one parameter at a time and moved
+        to the CPU (where a checkpoint writes it), so that saving holds no fp32 copy of every master on the
+        device."""
         self.sync_from_params()
         sd = self.optimizer.state_dict()
         index = {id(w): i for i, w in enumerate(w for g in self.optimizer.param_groups for w in g["params"])}
         state = {k: dict(v) for k, v in sd["state"].items()}
-        for w in self.masters:
-            state.setdefault(index[id(w)], {})[MASTER_KEY] = w  # a reference, as torch's own state tensors
+        for p, w in zip(self.params, self.masters):
+            # a reference, as torch's own state tensors; split: the rebuilt fp32 master
+            master = join_master(p, w).cpu() if self.master_format == "split" else w
+            state.setdefault(index[id(w)], {})[MASTER_KEY] = master
         return {"state": state, "param_groups": sd["param_groups"]}
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore the masters (exactly) and the wrapped optimizer's state; copy ``bf16(w)`` into the
-        parameters. ValueError when a parameter's master is missing (a checkpoint written with
-        ``param_dtype="float32"``) or has the wrong shape."""
+        parameters (``"split"``: ``(p, lo) = split_master(w)``). The saved masters are fp32 in either format, so
+        a state saved in one loads in the other. ValueError when a parameter's master is missing (a checkpoint
+        written with ``param_dtype="float32"``) or has the wrong shape."""
         flat = [w for g in self.optimizer.param_groups for w in g["params"]]
         state = {int(k): dict(v) for k, v in state_dict["state"].items()}
         missing = [i for i in range(len(flat)) if MASTER_KEY not in state.get(i, {})]
@@ -343,13 +460,22 @@ class MasterWeightOptimizer:
             if master.shape != w.shape:
                 raise ValueError(f"MasterWeightOptimizer.load_state_dict: master {i} has shape {tuple(master.shape)}, "
                                  f"the parameter {tuple(w.shape)}")
-            w.copy_(master)
+            if self.master_format == "split":  # the parameter is the master's high half: written here, exactly
+                p, lo = split_master(master.to(device=w.device, dtype=torch.float32))
+                self._param_of[id(w)].copy_(p)
+                w.copy_(lo)
+            else:
+                w.copy_(master)
         self.optimizer.load_state_dict({"state": {i: s for i, s in state.items() if s},
                                         "param_groups": state_dict["param_groups"]})
-        for s in self.optimizer.state.values():  # torch casts loaded state to the masters' fp32: back to bf16 (exact)
+        for s in self.optimizer.state.values():  # torch casts loaded state to the masters' fp32 (split: leaves the
+            # saved dtype, the int16 masters not being floating point): to moment_dtype (bf16 <- fp32 of bf16: exact)
             for key in ("exp_avg", "exp_avg_sq"):
                 if key in s and s[key].dtype != self.moment_dtype:
                     s[key] = s[key].to(self.moment_dtype)
         self._steps.clear()  # the fused step reads the loaded step counts
         self._launches.clear()  # their addresses were of the replaced moments
-        self._copy_to_params()
+        if self.master_format == "split":
+            self._versions = [p._version for p in self.params]
+        else:
+            self._copy_to_params()

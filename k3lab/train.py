@@ -48,7 +48,7 @@ from k3lab.compile import COMPILE_MODES, compile_model
 from k3lab.cuda_graph import GraphedForwardBackward, GraphedOptimizerStep
 from k3lab.memory import LAYERED_MODES, RECOMPUTE_MODES, apply_recompute
 from k3lab.optim import build_optimizer, set_lr
-from k3lab.precision import MOMENT_DTYPES, PARAM_DTYPES, MasterWeightOptimizer, cast_params_
+from k3lab.precision import MASTER_FORMATS, MOMENT_DTYPES, PARAM_DTYPES, MasterWeightOptimizer, cast_params_
 
 OPTIMIZERS = ("adamw", "muon")
 DTYPES = ("float32", "bfloat16")
@@ -56,7 +56,8 @@ DTYPES = ("float32", "bfloat16")
 PRECISIONS = (("float32", "float32"), ("bfloat16", "float32"), ("bfloat16", "bfloat16"))
 # fields whose change alters the trajectory of a resumed run (a warning names them)
 TRAJECTORY_FIELDS = ("steps", "lr", "min_lr_ratio", "warmup_steps", "warmup_frac", "weight_decay", "betas",
-                     "grad_clip", "optimizer", "optimizer_kwargs", "seed", "dtype", "param_dtype", "moment_dtype")
+                     "grad_clip", "optimizer", "optimizer_kwargs", "seed", "dtype", "param_dtype", "moment_dtype",
+                     "master_format")
 
 
 @dataclass
@@ -86,6 +87,10 @@ class TrainConfig:
                                               # "bfloat16" = cast to bf16, fp32 master weights (k3lab.precision)
     moment_dtype: str = "float32"             # MOMENT_DTYPES: AdamW's m and v; "bfloat16" needs param_dtype="bfloat16",
                                               # AdamW and the fused step (CUDA): 4 bytes a parameter less
+    master_format: str = "float32"            # MASTER_FORMATS: how the fp32 masters are kept; "split" = the bf16
+                                              # param is the master's high half, an int16 tensor the rest (exact;
+                                              # k3lab.precision): needs param_dtype="bfloat16", AdamW and the fused
+                                              # step (CUDA): 2 bytes a parameter less
     fused_loss: bool = False                  # True: set model.fused_loss (K3: chunked linear CE); False: leave it
     compile: str = "none"                     # COMPILE_MODES: "none" (eager) | "sublayer" (k3lab.compile)
     recompute: str = "none"                   # RECOMPUTE_MODES: "none" | "selective" | "mixer" | "sublayer" (k3lab.memory)
@@ -127,6 +132,11 @@ class TrainConfig:
         need(self.moment_dtype == "float32" or (self.param_dtype == "bfloat16" and self.optimizer == "adamw"),
              "moment_dtype", "'bfloat16' needs TrainConfig.param_dtype='bfloat16' and optimizer='adamw' (the fused "
              f"master-weight AdamW step keeps them), got param_dtype={self.param_dtype!r}, optimizer={self.optimizer!r}")
+        need(self.master_format in MASTER_FORMATS, "master_format", f"allowed values are {MASTER_FORMATS}")
+        need(self.master_format == "float32" or (self.param_dtype == "bfloat16" and self.optimizer == "adamw"),
+             "master_format", "'split' needs TrainConfig.param_dtype='bfloat16' and optimizer='adamw' (the fused "
+             f"master-weight AdamW step splits the masters), got param_dtype={self.param_dtype!r}, "
+             f"optimizer={self.optimizer!r}")
         need(isinstance(self.fused_loss, bool), "fused_loss", "must be a bool")
         need(self.compile in COMPILE_MODES, "compile", f"allowed values are {COMPILE_MODES}")
         need(isinstance(self.cuda_graph, bool), "cuda_graph", "must be a bool")
@@ -267,7 +277,8 @@ def fit(model: nn.Module, train_batches, cfg: TrainConfig, val_batches=None,
         a later ``fit(..., resume_from=out_dir)`` continues, as after an interruption.
     ``cfg.param_dtype="bfloat16"`` casts the model's trainable floating parameters to bf16 in place
     and ``cfg.fused_loss=True`` sets ``model.fused_loss``; both stay so after fit returns. A resume
-    must use the ``param_dtype`` the checkpoint was written with (ValueError otherwise).
+    must use the ``param_dtype`` the checkpoint was written with (ValueError otherwise); it may change
+    ``master_format`` (the masters are saved as fp32 in either format; a warning names the changed field).
     Raises :class:`TrainingDiverged` on a non-finite loss or gradient norm, before that step
     changes the weights; the checkpoints already written are kept.
     """
@@ -286,7 +297,8 @@ def fit(model: nn.Module, train_batches, cfg: TrainConfig, val_batches=None,
                                 betas=cfg.betas, **cfg.optimizer_kwargs)
     masters = None
     if cfg.param_dtype != "float32":  # step fp32 masters of the parameters (set_lr and checkpoints see its groups, state)
-        optimizer = masters = MasterWeightOptimizer(model, optimizer, moment_dtype=cfg.moment_dtype)
+        optimizer = masters = MasterWeightOptimizer(model, optimizer, moment_dtype=cfg.moment_dtype,
+                                                    master_format=cfg.master_format)
     clip = cfg.grad_clip or math.inf
 
     def clip_grad_norm():  # param_dtype="bfloat16": the masters' clip (fp32 grads, or the fused step's norm from bf16 grads)

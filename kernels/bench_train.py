@@ -8,7 +8,9 @@
 A config is ``MODEL-BxT`` (batch B of T tokens, synthetic random token ids, no downloads), optionally
 with per-config settings that override the command line's, e.g.
 ``small-16x1024@compile=sublayer,recompute=selective,fused_loss=on,param_dtype=bfloat16`` or
-``kda-anchor-8x4096@recompute=mixer,recompute_layers=16`` (``TrainConfig.recompute_layers``):
+``kda-anchor-8x4096@recompute=mixer,recompute_layers=16`` (``TrainConfig.recompute_layers``); per config only:
+``cuda_graph=on`` and ``master_format=split`` (``TrainConfig.master_format``: the fp32 masters as the bf16
+weights plus int16 low halves; needs ``param_dtype=bfloat16``, AdamW, CUDA):
 
 * ``small``      the ``small`` preset (hybrid KDA + Gated MLA, LatentMoE, Attention Residuals);
 * ``kda-anchor`` a pure-KDA dense k3lab model shaped like fla's anchor: 24 layers, D = 1024, 8 KDA heads
@@ -81,7 +83,7 @@ if ROOT not in sys.path:  # run as a script from anywhere: the repo's k3lab firs
 
 from k3lab.compile import COMPILE_MODES  # noqa: E402
 from k3lab.memory import RECOMPUTE_MODES  # noqa: E402
-from k3lab.precision import MOMENT_DTYPES, PARAM_DTYPES  # noqa: E402
+from k3lab.precision import MASTER_FORMATS, MOMENT_DTYPES, PARAM_DTYPES  # noqa: E402
 from k3lab.train import PRECISIONS  # noqa: E402
 
 MODELS = ("small", "kda-anchor", "fla-kda-anchor", "tiny")
@@ -106,14 +108,16 @@ class Spec:
 
 
 OPTIONS = {"compile": COMPILE_MODES, "recompute": RECOMPUTE_MODES, "fused_loss": ("on", "off"),
-           "param_dtype": PARAM_DTYPES, "moment_dtype": MOMENT_DTYPES, "cuda_graph": ("on", "off"), "recompute_layers": ("N (an int >= 0)",)}
+           "param_dtype": PARAM_DTYPES, "moment_dtype": MOMENT_DTYPES, "master_format": MASTER_FORMATS,
+           "cuda_graph": ("on", "off"), "recompute_layers": ("N (an int >= 0)",)}
 INT_OPTIONS = ("recompute_layers",)  # options whose value is an int, not one of a list
 
 
 def parse_config(name: str) -> Spec:
     """``MODEL-BxT[@key=value,...]`` -> Spec; ValueError naming the allowed forms otherwise. The options
     (:data:`OPTIONS`: compile, recompute, fused_loss, param_dtype, moment_dtype) override the command-line settings for
-    this config (fla's model ignores them: its row shows what it ran with)."""
+    this config; master_format, cuda_graph and recompute_layers exist only here (fla's model ignores them all: its
+    row shows what it ran with)."""
     m = re.fullmatch(r"(.+?)-(\d+)x(\d+)(?:@(.+))?", name)
     if m is None or m.group(1) not in MODELS or int(m.group(2)) < 1 or int(m.group(3)) < 2:
         raise ValueError(f"config {name!r}: must be MODEL-BxT[@key=value,...] with MODEL in {MODELS}, B >= 1, "
@@ -233,8 +237,10 @@ def run_config(spec: Spec, args) -> dict:
         row.update(params_active=active, params_total=total)
         param_dtype = "float32" if is_fla else spec.option("param_dtype", args.param_dtype)
         moment_dtype = "float32" if is_fla else spec.option("moment_dtype", args.moment_dtype)
+        master_format = "float32" if is_fla else spec.option("master_format", "float32")
         if not is_fla:
-            row["weights"] = (param_dtype + (" (fp32 master)" if param_dtype != "float32" else "")
+            master = " (split fp32 master)" if master_format == "split" else " (fp32 master)"
+            row["weights"] = (param_dtype + (master if param_dtype != "float32" else "")
                               + (f", {moment_dtype} moments" if moment_dtype != "float32" else ""))
             row["fused_loss"] = "on" if fused_loss else "off"
         vocab = model.config.vocab_size
@@ -252,7 +258,7 @@ def run_config(spec: Spec, args) -> dict:
         steps = 1 + args.warmup + args.steps
         dtype = "float32" if is_fla and args.fla_weights == "bfloat16" else args.dtype
         cfg = TrainConfig(steps=steps, lr=1e-3, warmup_steps=0, optimizer=args.optimizer, device=str(device),
-                          dtype=dtype, param_dtype=param_dtype, moment_dtype=moment_dtype,
+                          dtype=dtype, param_dtype=param_dtype, moment_dtype=moment_dtype, master_format=master_format,
                           cuda_graph=bool(row.get("cuda_graph")), fused_loss=fused_loss, compile=row["compile"],
                           recompute=row["recompute"], recompute_layers=row.get("recompute_layers"),
                           progress=False, name=spec.name)

@@ -8,8 +8,10 @@ and the kernels and ops that take it (torch profiler). Used to explain notebook 
 Same step as ``k3lab.train.fit`` (bf16 autocast, clip, optimizer step, ``after_optimizer_step``), on
 random token ids. ``--param-dtype bfloat16``: bf16 weights with fp32 master weights, as fit's
 ``param_dtype="bfloat16"`` (:class:`k3lab.precision.MasterWeightOptimizer`: grads into the masters, clip
-those, step, copy back). Prints: ms per step (median of the timed steps), the share of it the GPU was
-busy, the GPU time by kind of kernel (:data:`KINDS`), the top CUDA kernels, and the top CPU-side ops by self time.
+those, step, copy back); ``--master-format split``: the masters as the bf16 weights plus int16 low halves
+(``TrainConfig.master_format``; the fused AdamW step, CUDA). Prints: ms per step (median of the timed
+steps), the share of it the GPU was busy, the GPU time by kind of kernel (:data:`KINDS`), the top CUDA
+kernels, and the top CPU-side ops by self time.
 ``--saved``: also what one forward keeps for backward, by module class and dtype (:func:`saved_bytes`: an
 eager copy of the model with the same recompute mode, storages counted once, attributed to the innermost
 module running when autograd saved them; tensors a checkpointed region recomputes are not counted).
@@ -32,7 +34,7 @@ from k3lab.cuda_graph import GraphedForwardBackward, GraphedOptimizerStep
 from k3lab.memory import RECOMPUTE_MODES, apply_recompute
 from k3lab.model import K3ForCausalLM
 from k3lab.optim import build_optimizer
-from k3lab.precision import MOMENT_DTYPES, PARAM_DTYPES, MasterWeightOptimizer, cast_params_
+from k3lab.precision import MASTER_FORMATS, MOMENT_DTYPES, PARAM_DTYPES, MasterWeightOptimizer, cast_params_
 
 KINDS = [  # (kind, regex on the CUDA kernel name), first match wins
     ("our KDA kernels (Triton)", r"^kda_"),
@@ -210,6 +212,9 @@ def main():
                         help="bfloat16: bf16 weights with fp32 master weights (TrainConfig.param_dtype)")
     parser.add_argument("--moment-dtype", default="float32", choices=MOMENT_DTYPES,
                         help="bfloat16: AdamW moments in bf16 (TrainConfig.moment_dtype; needs --param-dtype bfloat16)")
+    parser.add_argument("--master-format", default="float32", choices=MASTER_FORMATS,
+                        help="split: fp32 masters kept as the bf16 weights + int16 low halves (TrainConfig.master_format; "
+                             "needs --param-dtype bfloat16, --optimizer adamw and the fused step)")
     parser.add_argument("--steps", type=int, default=5, help="timed steps (after 3 warm-up steps)")
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a smoke test only")
@@ -217,6 +222,8 @@ def main():
     parser.add_argument("--live", action="store_true", help="also print what one forward leaves allocated (CUDA)")
     parser.add_argument("--trace", default=None, help="write the profiled step's Chrome trace here (.json.gz: gzipped)")
     args = parser.parse_args()
+    if args.master_format != "float32" and args.param_dtype == "float32":
+        parser.error(f"--master-format {args.master_format} needs --param-dtype bfloat16 (the masters of bf16 weights)")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA GPU here")
     dev = torch.device(args.device)
@@ -248,7 +255,7 @@ def main():
         compile_model(model, args.compile)
     opt = build_optimizer(model, args.optimizer, lr=1e-3, weight_decay=0.1)
     if args.param_dtype != "float32":
-        opt = MasterWeightOptimizer(model, opt, moment_dtype=args.moment_dtype)
+        opt = MasterWeightOptimizer(model, opt, moment_dtype=args.moment_dtype, master_format=args.master_format)
     x = torch.randint(0, cfg.vocab_size, (args.batch_size, args.seq_len), device=dev)
     masters = opt if isinstance(opt, MasterWeightOptimizer) else None
 
@@ -313,7 +320,8 @@ def main():
     peak = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else float("nan")
     print(f"{args.preset} {args.optimizer} B{args.batch_size} T{args.seq_len} compile={args.compile} "
           f"recompute={args.recompute} fused_loss={args.fused_loss} param_dtype={args.param_dtype} "
-          f"moment_dtype={args.moment_dtype} cuda_graph={args.cuda_graph}: peak {peak:.1f} GiB, "
+          f"moment_dtype={args.moment_dtype} master_format={args.master_format} cuda_graph={args.cuda_graph}: "
+          f"peak {peak:.1f} GiB, "
           f"{ms:.1f} ms/step, {tokens / ms * 1e3:,.0f} tokens/s, {flops / ms / 1e9:.0f} TFLOP/s (6N), GPU busy {busy:.1f} ms "
           f"({100 * busy / ms:.0f}% of the step)")
     kinds = {}

@@ -44,13 +44,15 @@ def test_refusals_name_the_field():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("compile_mode,qk_clip_tau", [("none", 100.0), ("sublayer", 100.0), ("none", 0.02)])
-def test_graphed_fit_equals_eager_fit(compile_mode, qk_clip_tau):
+@pytest.mark.parametrize("compile_mode,qk_clip_tau,master_format", [
+    ("none", 100.0, "float32"), ("sublayer", 100.0, "float32"), ("none", 0.02, "float32"), ("none", 0.02, "split")])
+def test_graphed_fit_equals_eager_fit(compile_mode, qk_clip_tau, master_format):
     """Six steps (two eager, the captures, three replays of both graphs: forward-backward-norm, then AdamW with
     the balancer and QK-Clip) against six eager steps of the same model: the same losses and grad norms (the
     same kernels; 1e-5 allows atomics' order), weights and router biases after. The cosine schedule changes the
     learning rate every step (the replayed AdamW reads it from the device); ``qk_clip_tau=0.02`` (the fresh model's logits reach about 0.07) makes QK-Clip
-    rescale MLA rows every step (taken into the fp32 masters inside the graph)."""
+    rescale MLA rows every step (taken into the fp32 masters inside the graph); ``master_format="split"``: the
+    masters as the bf16 weights' low halves (both runs)."""
     cfg = dataclasses.replace(ModelConfig.preset("tiny"), qk_clip_tau=qk_clip_tau)
     runs = {}
     for graph in (False, True):
@@ -58,7 +60,7 @@ def test_graphed_fit_equals_eager_fit(compile_mode, qk_clip_tau):
         model = K3ForCausalLM(cfg)
         train = TrainConfig(steps=6, lr=3e-3, device="cuda", dtype="bfloat16", param_dtype="bfloat16",
                             compile=compile_mode, recompute="selective", fused_loss=True, cuda_graph=graph,
-                            progress=False)
+                            master_format=master_format, progress=False)
         result = fit(model, batches(cfg.vocab_size, device="cuda"), train)
         runs[graph] = (result, model)
     (eager, m_eager), (graphed, m_graph) = runs[False], runs[True]

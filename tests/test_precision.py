@@ -7,7 +7,9 @@ from k3lab.config import ModelConfig
 from k3lab.data import batch_iterator
 from k3lab.model import K3ForCausalLM
 from k3lab.optim import build_optimizer, set_lr
-from k3lab.precision import MASTER_KEY, PARAM_DTYPES, MasterWeightOptimizer, cast_params_
+from k3lab.precision import (MASTER_FORMATS, MASTER_KEY, PARAM_DTYPES, MasterWeightOptimizer, cast_params_,
+                             join_master, split_master)
+from k3lab.testing import KERNELS_RUN_HERE
 from k3lab.train import TrainConfig, fit
 
 BF16 = torch.bfloat16
@@ -129,15 +131,15 @@ def test_outside_updates_reach_the_masters():
 
 
 def test_state_dict_round_trip_and_refusals():
-    model = bf16_linear()
-    opt = MasterWeightOptimizer(model, build_optimizer(model, "adamw", lr=1e-2))
+    model = bf16_linear()  # the unfused path (under TRITON_INTERPRET=1 the default would be the fused one)
+    opt = MasterWeightOptimizer(model, build_optimizer(model, "adamw", lr=1e-2), fused=False)
     for step in range(2):
         backward(model, step)
         opt.grads_to_masters()
         opt.step()
         opt.zero_grad()
     fresh = bf16_linear(seed=1)
-    fresh_opt = MasterWeightOptimizer(fresh, build_optimizer(fresh, "adamw", lr=1e-2))
+    fresh_opt = MasterWeightOptimizer(fresh, build_optimizer(fresh, "adamw", lr=1e-2), fused=False)
     fresh_opt.load_state_dict(opt.state_dict())
     for a, b in zip(opt.masters, fresh_opt.masters):
         assert torch.equal(a, b)
@@ -171,6 +173,91 @@ def test_bad_values_name_the_field():
     inner.step()  # it has stepped the bf16 parameters: its momentum would belong to them, not to masters
     with pytest.raises(ValueError, match="before its first step"):
         MasterWeightOptimizer(model, inner)
+
+
+def bits(x):
+    """float32 -> its bit patterns as int64 in [0, 2³²) (NaNs compare too)."""
+    return x.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+
+
+def special_floats():
+    """Random fp32 values of every size and sign, exact ties, and the edge cases of the split."""
+    gen = torch.Generator().manual_seed(0)
+    raw = torch.randint(-2**31, 2**31, (20000,), generator=gen, dtype=torch.int64)  # every bit pattern, NaNs too
+    normal = torch.randn(5000, generator=gen) * torch.logspace(-30, 30, 5000)
+    ties = ((normal.view(torch.int32) & ~0xFFFF) | 0x8000).view(torch.float32)  # low 16 bits exactly 0x8000
+    edges = torch.tensor([0.0, -0.0, 1.0, -1.0, float("inf"), -float("inf"), float("nan"), torch.finfo().max,
+                          -torch.finfo().max, torch.finfo().tiny, 1e-45, -1e-45, 1e-40])
+    patterns = torch.tensor([0x7FFFFFFF, 0xFFFFFFFF, 0x7FFF8000, 0xFFFF8000, 0x7F800001, 0x7FC08000, 0x7F7F8000,
+                             0x80008000, 0x00008000, 0x3F808000, 0x3F818000], dtype=torch.int64)
+    as_float = lambda b: (((b + 2**31) & 0xFFFFFFFF) - 2**31).to(torch.int32).view(torch.float32)  # noqa: E731
+    return torch.cat([as_float(raw), normal, -normal, ties, -ties, edges, as_float(patterns)])
+
+
+def test_split_master_round_trip_and_tie_rule():
+    """join(split(x)) == x bit for bit (NaNs: a NaN); lo in int16; p == bf16(x) (round to nearest even) except
+    where x's low 16 bits are exactly 0x8000, where p is the high half rounded away from zero, and at NaNs (both
+    NaN); ±inf -> lo 0, ±max finite -> (±inf, -1), NaN -> the quiet NaN 0x7FC0, lo 0."""
+    x = special_floats()
+    p, lo = split_master(x)
+    assert p.dtype == torch.bfloat16 and lo.dtype == torch.int16 and p.shape == lo.shape == x.shape
+    w = join_master(p, lo)
+    nan = torch.isnan(x)
+    assert nan.sum() > 50 and torch.equal(bits(w)[~nan], bits(x)[~nan]) and torch.isnan(w[nan]).all()
+    b = bits(x)
+    p_bits = p.view(torch.int16).to(torch.int64) & 0xFFFF
+    assert torch.equal(p_bits[~nan], ((b + 0x8000) >> 16 & 0xFFFF)[~nan])  # the rule, on the uint32 bits
+    assert (p_bits[nan] == 0x7FC0).all() and (lo[nan] == 0).all()
+    tie = ((b & 0xFFFF) == 0x8000) & ~nan
+    assert tie.sum() > 1000
+    nearest_even = x.to(torch.bfloat16).view(torch.int16)
+    assert torch.equal(p.view(torch.int16)[~tie & ~nan], nearest_even[~tie & ~nan])
+    assert torch.isnan(x[nan].to(torch.bfloat16)).all()  # both NaN (torch's vectorized cast makes 0xFFFF)
+    assert torch.equal(p_bits[tie], (b[tie] >> 16) + 1)  # away from zero: the magnitude's high half + 1
+    assert (p.view(torch.int16)[tie] != nearest_even[tie]).any()  # ... which nearest-even is not, at even halves
+    inf, big = torch.isinf(x), x.abs() == torch.finfo().max
+    assert torch.equal(p[inf].float(), x[inf]) and (lo[inf] == 0).all()
+    assert torch.isinf(p[big]).all() and (lo[big] == -1).all()
+    zeros = torch.zeros(3)  # a bf16 parameter's master: lo = 0
+    assert torch.equal(split_master(zeros)[1], torch.zeros(3, dtype=torch.int16))
+    with pytest.raises(ValueError, match="split_master: w must be a float32 tensor"):
+        split_master(x.double())
+    with pytest.raises(ValueError, match="join_master: p must be bfloat16 and lo int16 of one shape"):
+        join_master(p, lo.int())
+
+
+def test_master_format_refusals_name_the_field():
+    """master_format: a value not in MASTER_FORMATS; "split" without the fused step (asked unfused, Muon, float32
+    parameters, or no kernel here) or without param_dtype="bfloat16" and AdamW in TrainConfig: ValueError naming it."""
+    assert MASTER_FORMATS == ("float32", "split")
+    model = bf16_linear()
+    bogus = r"TrainConfig\.master_format='bogus': allowed values are \('float32', 'split'\)"
+    with pytest.raises(ValueError, match=bogus):
+        MasterWeightOptimizer(model, build_optimizer(model, "adamw", lr=1e-2), master_format="bogus")
+    with pytest.raises(ValueError, match=r"TrainConfig\.master_format='split' needs the fused AdamW step .*"
+                                         r"which does not run here: .+; use master_format='float32'"):
+        MasterWeightOptimizer(model, build_optimizer(model, "adamw", lr=1e-2), fused=False, master_format="split")
+    with pytest.raises(ValueError, match=r"TrainConfig\.master_format='split' needs the fused AdamW step .*"
+                                         r"the wrapped optimizer is Muon"):
+        MasterWeightOptimizer(model, build_optimizer(model, "muon", lr=1e-2), master_format="split")
+    fp32 = nn.Linear(8, 4)
+    with pytest.raises(ValueError, match=r"TrainConfig\.master_format='split' needs .*contiguous bf16"):
+        MasterWeightOptimizer(fp32, build_optimizer(fp32, "adamw", lr=1e-2), master_format="split")
+    if not KERNELS_RUN_HERE:  # CPU without the interpreter: no fused step, so no split masters
+        with pytest.raises(ValueError, match=r"TrainConfig\.master_format='split' needs .*CUDA tensor"):
+            MasterWeightOptimizer(model, build_optimizer(model, "adamw", lr=1e-2), master_format="split")
+    with pytest.raises(ValueError, match=bogus):
+        TrainConfig(master_format="bogus")
+    with pytest.raises(ValueError, match=r"TrainConfig\.master_format='split': 'split' needs TrainConfig\.param_dtype="
+                                         r"'bfloat16' and optimizer='adamw'.*got param_dtype='float32'"):
+        TrainConfig(dtype="bfloat16", master_format="split")
+    with pytest.raises(ValueError, match=r"TrainConfig\.master_format='split':.*optimizer='muon'"):
+        TrainConfig(dtype="bfloat16", param_dtype="bfloat16", optimizer="muon", master_format="split")
+    cfg = TrainConfig(dtype="bfloat16", param_dtype="bfloat16", master_format="split", steps=1, warmup_steps=0,
+                      device="cpu", progress=False)
+    if not KERNELS_RUN_HERE:  # fit builds the optimizer: refused there, naming the field
+        with pytest.raises(ValueError, match=r"TrainConfig\.master_format='split' needs the fused AdamW step"):
+            fit(small_k3(), batch_iterator(STREAM, 2, 8, seed=1), cfg)
 
 
 def test_fused_loss_switch():
