@@ -132,6 +132,7 @@ UNSUPPORTED_TRAIN_FIELDS = {
                                "FSDP2's MixedPrecisionPolicy is the distributed counterpart, not wired here yet"),
     "cuda_graph": (False, "the distributed step runs eager (its collectives are not captured)"),
     "moment_dtype": ("float32", "bf16 AdamW moments are the fused master-weight step of k3lab.train.fit"),
+    "master_format": ("float32", "split masters are the fused master-weight step of k3lab.train.fit"),
 }
 
 
