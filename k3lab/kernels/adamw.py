@@ -58,18 +58,10 @@ import torch
 import triton
 import triton.language as tl
 
+from k3lab.kernels.rounding import _bf16_round_nearest_even
+
 Tensor = torch.Tensor
 BLOCK = 2048  # elements per program (8 per thread at 8 warps)
-
-
-@triton.jit
-def _bf16_round_nearest_even(x):
-    """float32 -> bf16, round to nearest even (as ``Tensor.to(torch.bfloat16)``), in integer ops: the same
-    bits as the hardware conversion, and also under TRITON_INTERPRET=1 (whose own conversion truncates)."""
-    bits = x.to(tl.uint32, bitcast=True)
-    rounded = (bits + (((bits >> 16) & 1) + 0x7FFF)) >> 16
-    rounded = tl.where(x != x, 0x7FC0, rounded)  # NaN stays a (quiet) NaN
-    return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit

@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from k3lab.kernels.adamw import _bf16_round_nearest_even
+from k3lab.kernels.rounding import _rounded
 
 Tensor = torch.Tensor
 MAX_SOURCES = 8  # pointer arguments of the kernels
@@ -63,14 +63,6 @@ def _bases(s, p0, p1, p2, p3, p4, p5, p6, p7):
     base = tl.where(s == 5, p5, base)
     base = tl.where(s == 6, p6, base)
     return tl.where(s == 7, p7, base)
-
-
-@triton.jit
-def _rounded(x, BF16: tl.constexpr):
-    if BF16:
-        return _bf16_round_nearest_even(x)
-    else:
-        return x
 
 
 @triton.jit

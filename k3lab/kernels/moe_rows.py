@@ -30,19 +30,11 @@ import torch
 import triton
 import triton.language as tl
 
-from k3lab.kernels.adamw import _bf16_round_nearest_even
+from k3lab.kernels.rounding import _rounded
 
 Tensor = torch.Tensor
 DTYPES = (torch.bfloat16, torch.float32)  # of the rows
 BLOCK_N = 16  # tokens a program
-
-
-@triton.jit
-def _rounded_to(x, BF16: tl.constexpr):
-    if BF16:
-        return _bf16_round_nearest_even(x)
-    else:
-        return x
 
 
 @triton.jit
@@ -57,7 +49,7 @@ def _gather_sum_kernel(G, INV, OUT, N, L, TOP_K: tl.constexpr, BLOCK_N: tl.const
     for j in tl.static_range(TOP_K):
         src = tl.load(INV + rows * TOP_K + j, mask=row_ok, other=0)                # [BLOCK_N] sorted row
         acc += tl.load(G + src[:, None] * L + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    tl.store(OUT + rows[:, None] * L + cols[None, :], _rounded_to(acc, BF16), mask=mask)
+    tl.store(OUT + rows[:, None] * L + cols[None, :], _rounded(acc, BF16), mask=mask)
 
 
 @triton.jit
@@ -95,7 +87,7 @@ def _combine_bwd_kernel(Y, INV, P, DU, DY, DP, N, L, TOP_K: tl.constexpr, BLOCK_
             offs = src[:, None] * L + cols[None, :]
             y = tl.load(Y + offs, mask=mask, other=0.0).to(tl.float32)
             dp += tl.where(slots[None, :] == j, tl.sum(y * du, 1)[:, None], 0.0)
-            tl.store(DY + offs, _rounded_to(p[:, None] * du, BF16), mask=mask)
+            tl.store(DY + offs, _rounded(p[:, None] * du, BF16), mask=mask)
     tl.store(DP + rows[:, None] * TOP_K + slots[None, :], dp, mask=row_ok[:, None] & (slots < TOP_K)[None, :])
 
 

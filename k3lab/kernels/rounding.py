@@ -1,0 +1,25 @@
+"""Rounding to bf16 inside Triton kernels, in integer operations: the bits ``Tensor.to(torch.bfloat16)`` gives,
+on the GPU and also under ``TRITON_INTERPRET=1`` (whose own float32 -> bf16 conversion truncates). Shared by the
+fused AdamW, the AttnRes mix and the MoE row kernels."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _bf16_round_nearest_even(x):
+    """float32 -> bf16, round to nearest even (as ``Tensor.to(torch.bfloat16)``), in integer ops: the same
+    bits as the hardware conversion, and also under TRITON_INTERPRET=1 (whose own conversion truncates)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    rounded = (bits + (((bits >> 16) & 1) + 0x7FFF)) >> 16
+    rounded = tl.where(x != x, 0x7FC0, rounded)  # NaN stays a (quiet) NaN
+    return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _rounded(x, BF16: tl.constexpr):
+    """float32 ``x`` rounded to nearest even bf16 when ``BF16`` (a bf16 output), else ``x`` as it is."""
+    if BF16:
+        return _bf16_round_nearest_even(x)
+    else:
+        return x
