@@ -9,6 +9,12 @@ import torch
 from k3lab.config import BACKENDS, DEVICES  # noqa: F401 (defined once, in k3lab.config)
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on ``device`` (a CUDA device; nothing to wait for elsewhere): before reading a clock."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
     """"auto" -> cuda when available, else cpu. Asking for cuda without a GPU is an error."""
     if isinstance(device, torch.device):

@@ -36,7 +36,9 @@ BALANCERS = ("quantile_hist", "quantile_exact", "loss_free", "aux_loss", "none")
 HIDDEN_ACTS = ("situ", "swiglu")
 BACKENDS = ("auto", "torch", "triton", "fla")  # k3lab.backend: where and how an op runs
 DEVICES = ("auto", "cpu", "cuda")  # plus "cuda:N" where a device index is accepted
-PRESETS = ("tiny", "small", "k3")
+DTYPES = ("float32", "bfloat16")  # a float dtype by name: TrainConfig.dtype, param_dtype, moment_dtype; Muon ns_dtype
+RUNNABLE_PRESETS = ("tiny", "small")  # the presets one machine builds and trains (the course, k3lab.parallel.run)
+PRESETS = RUNNABLE_PRESETS + ("k3",)  # "k3": the meta device only
 
 # --- the released config.json (docs/hf_checkpoint.md) --------------------------------------------
 HF_ARCHITECTURE = "KimiK3ForConditionalGeneration"  # the wrapper's architectures[0]

@@ -30,10 +30,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from k3lab.config import DEVICES, RUNNABLE_PRESETS
+
 NOTEBOOK_NAME = re.compile(r"^(\d+)_\w+\.ipynb$")
 HEADLINE_PREFIX = "HEADLINE: "
-PRESETS = ("tiny", "small")
-DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")  # as k3lab.backend.resolve_device
+DEVICE_PATTERN = re.compile(rf"^({'|'.join(DEVICES)}|cuda:\d+)$")  # DEVICES or cuda:N, as k3lab.backend.resolve_device
 DEFAULT_NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 INLINE_BACKEND = "module://matplotlib_inline.backend_inline"
 
@@ -272,8 +273,8 @@ def run_course(
     kernel_name: str = "python3",
 ) -> list[NotebookResult]:
     """Validate everything, run the selected notebooks in order, write ``summary.md``; return the rows."""
-    if preset not in PRESETS:
-        raise CourseError(f"--preset {preset!r}: allowed values are {PRESETS}")
+    if preset not in RUNNABLE_PRESETS:
+        raise CourseError(f"--preset {preset!r}: allowed values are {RUNNABLE_PRESETS}")
     if not DEVICE_PATTERN.match(device):
         raise CourseError(f"--device {device!r}: allowed values are auto, cpu, cuda, cuda:N")
     notebooks_dir, out_dir = Path(notebooks_dir).resolve(), Path(out_dir).resolve()
@@ -313,7 +314,7 @@ def add_course_parser(subparsers) -> None:
                "  python -m k3lab course --list",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--preset", default="tiny", help=f"model preset passed to every notebook {PRESETS} (default tiny)")
+    p.add_argument("--preset", default="tiny", help=f"model preset passed to every notebook {RUNNABLE_PRESETS} (default tiny)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default auto)")
     p.add_argument("--only", metavar="NN,NN", help="run only these notebook numbers, e.g. 00,03")
     p.add_argument("--out", default="runs", type=Path, help="output folder for executed notebooks and summary.md")

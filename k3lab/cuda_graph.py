@@ -166,7 +166,7 @@ class GraphedOptimizerStep:
         if not self.forward_backward.captured:
             raise RuntimeError("GraphedOptimizerStep: the forward-backward graph is not captured yet (its gradients "
                                "are what this graph reads); step the optimizer eagerly until it is")
-        if not self.optimizer.keep_grads or self.optimizer._clip is None:
+        if not self.optimizer.keep_grads or self.optimizer.clip_coef is None:
             raise RuntimeError("GraphedOptimizerStep: the optimizer must keep the captured gradients (keep_grads=True) "
                                "and hold the captured clip coefficient (clip_grad_norm_ inside the captured step)")
         if not self.optimizer.state:
@@ -178,12 +178,12 @@ class GraphedOptimizerStep:
         with torch.cuda.stream(stream):
             if self.graph is None:
                 self.optimizer.sync_from_params()  # anything changed eagerly before: not part of the capture
-                self.launch_ids, self.clip = [id(launch) for launch, _, _ in launches], self.optimizer._clip
+                self.launch_ids, self.clip = [id(launch) for launch, _, _ in launches], self.optimizer.clip_coef
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, stream=stream):
                     self._device_half(launches)
                 self.graph = graph
-            elif [id(launch) for launch, _, _ in launches] != self.launch_ids or self.optimizer._clip is not self.clip:
+            elif [id(launch) for launch, _, _ in launches] != self.launch_ids or self.optimizer.clip_coef is not self.clip:
                 raise RuntimeError("GraphedOptimizerStep: the optimizer's launches or clip coefficient changed since the "
                                    "capture (a parameter gained or lost its gradient, or the state was reloaded); "
                                    "a replay would update stale tensors")

@@ -31,6 +31,7 @@ import math
 import torch
 from torch import Tensor, nn
 
+from k3lab.config import DTYPES
 from k3lab.mixers.mla import qk_clip_, qk_clip_model_, scale_rows_  # noqa: F401 (QK-Clip lives with MLA; re-exported)
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic Newton–Schulz coefficients
@@ -89,7 +90,7 @@ def param_groups(model: nn.Module) -> dict[str, list[tuple[str, nn.Parameter]]]:
 # ----------------------------------------------------------------------------------------------
 # Muon
 # ----------------------------------------------------------------------------------------------
-NS_DTYPES = ("bfloat16", "float32")  # Newton–Schulz precision: bf16 (Keller/Moonlight), fp32 for parity tests
+NS_DTYPES = DTYPES  # (the values: k3lab.config.DTYPES) Newton–Schulz precision: bf16 (Keller/Moonlight), fp32 for parity tests
 
 
 def _full(t: Tensor) -> Tensor:

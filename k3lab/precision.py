@@ -81,8 +81,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-PARAM_DTYPES = ("float32", "bfloat16")  # TrainConfig.param_dtype: "bfloat16" = bf16 params + fp32 masters
-MOMENT_DTYPES = ("float32", "bfloat16")  # TrainConfig.moment_dtype: AdamW's m and v (bf16: the fused step only)
+from k3lab.config import DTYPES
+
+PARAM_DTYPES = DTYPES  # (the values: k3lab.config.DTYPES) TrainConfig.param_dtype: "bfloat16" = bf16 params + fp32 masters
+MOMENT_DTYPES = DTYPES  # (the values: k3lab.config.DTYPES) TrainConfig.moment_dtype: AdamW's m and v (bf16: the fused step only)
 MASTER_FORMATS = ("float32", "split")    # TrainConfig.master_format: fp32 masters as such, or p + int16 lo (fused only)
 MASTER_KEY = "master"                    # the masters' key in each parameter's optimizer state
 
@@ -193,7 +195,7 @@ class MasterWeightOptimizer:
                              "are not parameters of the model")
         if any(not p.is_floating_point() for p in self.params):
             raise ValueError("MasterWeightOptimizer: every optimized parameter must be floating point")
-        why_not = self._why_not_fused()
+        why_not = self.why_not_fused()
         if fused and why_not:
             raise ValueError(f"MasterWeightOptimizer(fused=True): {why_not}; use fused=False (or None: fused where it applies)")
         self.fused = why_not is None if fused is None else bool(fused)
@@ -232,7 +234,13 @@ class MasterWeightOptimizer:
         self._keep_grads = bool(value)
         self._launches.clear()
 
-    def _why_not_fused(self) -> str | None:
+    @property
+    def clip_coef(self) -> Tensor | None:
+        """The clip coefficient the fused :meth:`step` applies next (0-d float32, on the device), as the last
+        fused :meth:`clip_grad_norm_` set it; None when there is none (no clip since the last step, or unfused)."""
+        return self._clip
+
+    def why_not_fused(self) -> str | None:
         """None when the fused AdamW step applies to this optimizer and these parameters, else the reason."""
         import os
 

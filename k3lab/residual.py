@@ -78,7 +78,8 @@ def fused_mix_applies(sources: Sequence[Tensor], post_norm: nn.Module | None) ->
     dtype (bf16 or float32: fp32 weights under bf16 autocast mix an fp32 embedding with bf16 outputs, which it
     does not), of width at most ``MAX_FAST_WIDTH`` (K3's D = 7168 keeps the torch mix), and a post-norm that is
     an ``nn.RMSNorm`` with a weight, or none."""
-    from k3lab.kernels.attn_res import DTYPES, MAX_FAST_WIDTH, MAX_SOURCES
+    from k3lab.kernels.attn_res import MAX_FAST_WIDTH, MAX_SOURCES
+    from k3lab.kernels.rounding import DTYPES
 
     first = sources[0]
     return (len(sources) <= MAX_SOURCES and first.shape[-1] <= MAX_FAST_WIDTH and first.dtype in DTYPES

@@ -42,24 +42,18 @@ from torch import nn
 from tqdm import tqdm  # text bar on stdout: a saved notebook keeps its finished state (no widget)
 
 from k3lab.backend import resolve_device
-from k3lab.checkpoint import (CHECKPOINT_FORMAT, _plain_config, _set_rng_state,  # noqa: F401 (re-exported)
+from k3lab.checkpoint import (CHECKPOINT_FORMAT, plain_config, set_rng_state,  # noqa: F401 (re-exported)
                               load_checkpoint, resolve_checkpoint, save_checkpoint)
-from k3lab.compile import COMPILE_MODES, compile_model
+from k3lab.compile import COMPILE_MODES
+from k3lab.config import DTYPES
 from k3lab.cuda_graph import GraphedForwardBackward, GraphedOptimizerStep
-from k3lab.memory import LAYERED_MODES, RECOMPUTE_MODES, apply_recompute
+from k3lab.memory import LAYERED_MODES, RECOMPUTE_MODES
 from k3lab.optim import build_optimizer, set_lr
 from k3lab.precision import MASTER_FORMATS, MOMENT_DTYPES, PARAM_DTYPES, MasterWeightOptimizer, cast_params_
 
 OPTIMIZERS = ("adamw", "muon")
-DTYPES = ("float32", "bfloat16")
 # (dtype, param_dtype) pairs fit runs: bf16 parameters need bf16 autocast (fp32 inputs would meet bf16 weights)
 PRECISIONS = (("float32", "float32"), ("bfloat16", "float32"), ("bfloat16", "bfloat16"))
-# fields whose change alters the trajectory of a resumed run (a warning names them)
-TRAJECTORY_FIELDS = ("steps", "lr", "min_lr_ratio", "warmup_steps", "warmup_frac", "weight_decay", "betas",
-                     "grad_clip", "optimizer", "optimizer_kwargs", "seed", "dtype", "param_dtype", "moment_dtype",
-                     "master_format")
-
-
 @dataclass
 class TrainConfig:
     """How to train; every field is validated on construction (ValueError names the field)."""
@@ -102,48 +96,50 @@ class TrainConfig:
     progress: bool = True                     # tqdm progress bar
     name: str = "train"                       # run name: the progress bar's label
 
+    # allowed values of the fields that take one of a list (the CLI's choices come from here: k3lab.cli)
+    CHOICES = {"optimizer": OPTIMIZERS, "dtype": DTYPES, "param_dtype": PARAM_DTYPES, "moment_dtype": MOMENT_DTYPES,
+               "master_format": MASTER_FORMATS, "compile": COMPILE_MODES, "recompute": RECOMPUTE_MODES}
+
     def __post_init__(self):
         def need(ok: bool, name: str, rule: str):
             if not ok:
                 raise ValueError(f"TrainConfig.{name}={getattr(self, name)!r}: {rule}")
 
+        def number(v) -> bool:  # a finite real number (bool is not one here)
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
         for name in ("steps", "eval_batches", "log_every", "keep_checkpoints"):
-            need(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, name, "must be an int >= 1")
+            need(type(getattr(self, name)) is int and getattr(self, name) >= 1, name, "must be an int >= 1")
         for name in ("eval_every", "checkpoint_every", "seed"):
-            need(isinstance(getattr(self, name), int) and getattr(self, name) >= 0, name, "must be an int >= 0")
-        need(self.lr > 0, "lr", "must be > 0")
-        need(0.0 <= self.min_lr_ratio <= 1.0, "min_lr_ratio", "must be in [0, 1]")
-        need(self.warmup_steps is None or (isinstance(self.warmup_steps, int)
-                                           and 0 <= self.warmup_steps <= self.steps),
+            need(type(getattr(self, name)) is int and getattr(self, name) >= 0, name, "must be an int >= 0")
+        need(number(self.lr) and self.lr > 0, "lr", "must be a finite number > 0")
+        need(number(self.min_lr_ratio) and 0.0 <= self.min_lr_ratio <= 1.0, "min_lr_ratio", "must be in [0, 1]")
+        need(self.warmup_steps is None or (type(self.warmup_steps) is int and 0 <= self.warmup_steps <= self.steps),
              "warmup_steps", f"must be None or an int in [0, steps={self.steps}]")
-        need(0.0 <= self.warmup_frac <= 1.0, "warmup_frac", "must be in [0, 1]")
-        need(self.weight_decay >= 0, "weight_decay", "must be >= 0")
-        need(len(self.betas) == 2 and all(0.0 <= b < 1.0 for b in self.betas), "betas",
-             "must be two numbers in [0, 1)")
-        need(self.grad_clip >= 0, "grad_clip", "must be >= 0 (0 = no clipping)")
-        need(self.optimizer in OPTIMIZERS, "optimizer", f"allowed values are {OPTIMIZERS}")
+        need(number(self.warmup_frac) and 0.0 <= self.warmup_frac <= 1.0, "warmup_frac", "must be in [0, 1]")
+        need(number(self.weight_decay) and self.weight_decay >= 0, "weight_decay", "must be a finite number >= 0")
+        need(isinstance(self.betas, (tuple, list)) and len(self.betas) == 2
+             and all(number(b) and 0.0 <= b < 1.0 for b in self.betas), "betas", "must be two numbers in [0, 1)")
+        need(number(self.grad_clip) and self.grad_clip >= 0, "grad_clip",
+             "must be a finite number >= 0 (0 = no clipping)")
+        for name in ("fused_loss", "cuda_graph", "progress"):
+            need(isinstance(getattr(self, name), bool), name, "must be a bool")
+        for name, allowed in self.CHOICES.items():
+            need(getattr(self, name) in allowed, name, f"allowed values are {allowed}")
         need(isinstance(self.optimizer_kwargs, dict), "optimizer_kwargs", "must be a dict")
-        need(self.dtype in DTYPES, "dtype", f"allowed values are {DTYPES}")
-        need(self.param_dtype in PARAM_DTYPES, "param_dtype", f"allowed values are {PARAM_DTYPES}")
         need((self.dtype, self.param_dtype) in PRECISIONS, "param_dtype",
              f"needs TrainConfig.dtype='bfloat16' (bf16 autocast), got TrainConfig.dtype={self.dtype!r}; "
              f"allowed (dtype, param_dtype) combinations are {PRECISIONS}")
-        need(self.moment_dtype in MOMENT_DTYPES, "moment_dtype", f"allowed values are {MOMENT_DTYPES}")
         need(self.moment_dtype == "float32" or (self.param_dtype == "bfloat16" and self.optimizer == "adamw"),
              "moment_dtype", "'bfloat16' needs TrainConfig.param_dtype='bfloat16' and optimizer='adamw' (the fused "
              f"master-weight AdamW step keeps them), got param_dtype={self.param_dtype!r}, optimizer={self.optimizer!r}")
-        need(self.master_format in MASTER_FORMATS, "master_format", f"allowed values are {MASTER_FORMATS}")
         need(self.master_format == "float32" or (self.param_dtype == "bfloat16" and self.optimizer == "adamw"),
              "master_format", "'split' needs TrainConfig.param_dtype='bfloat16' and optimizer='adamw' (the fused "
              f"master-weight AdamW step splits the masters), got param_dtype={self.param_dtype!r}, "
              f"optimizer={self.optimizer!r}")
-        need(isinstance(self.fused_loss, bool), "fused_loss", "must be a bool")
-        need(self.compile in COMPILE_MODES, "compile", f"allowed values are {COMPILE_MODES}")
-        need(isinstance(self.cuda_graph, bool), "cuda_graph", "must be a bool")
         need(not self.cuda_graph or self.param_dtype == "float32" or self.optimizer == "adamw", "cuda_graph",
              "with param_dtype='bfloat16' needs optimizer='adamw' (the fused master step keeps the captured "
              f"gradients; the unfused master path frees them), got optimizer={self.optimizer!r}")
-        need(self.recompute in RECOMPUTE_MODES, "recompute", f"allowed values are {RECOMPUTE_MODES}")
         need(self.recompute_layers is None or (isinstance(self.recompute_layers, int)
                                                and not isinstance(self.recompute_layers, bool)
                                                and self.recompute_layers >= 0),
@@ -163,18 +159,43 @@ class TrainConfig:
 
 @dataclass
 class TrainResult:
-    """What :func:`fit` returns: the metric history (one dict per logged step), the number of
-    optimizer steps done, the newest checkpoint folder (None without ``out_dir``), wall seconds."""
+    """What :func:`fit` returns at every world size: the metric history (one dict per logged step; under a
+    parallel plan the global batch's values, the same on every rank), the number of optimizer steps done,
+    the newest checkpoint folder (None without ``out_dir``), wall seconds, and ``info``: the layout
+    (world size, parallel dims, device) and what the experts saw (per-MoE-layer loads, EP slots per rank)."""
 
     history: list[dict]
     step: int
     checkpoint: Path | None
     elapsed: float
+    info: dict = field(default_factory=dict)
 
     def column(self, key: str) -> tuple[list[int], list[float]]:
         """(steps, values) of one metric over the records that have it, e.g. ``column("val_loss")``."""
         rows = [r for r in self.history if key in r]
         return [r["step"] for r in rows], [r[key] for r in rows]
+
+    @property
+    def losses(self) -> list[float]:
+        return [r["loss"] for r in self.history]
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        """Tokens a second over the logged steps after the first (which compiles and warms up); None if < 2."""
+        rows = [r for r in self.history if "step_time" in r][1:]
+        timed = sum(r["step_time"] for r in rows)
+        if len(rows) < 1 or timed <= 0:
+            return None
+        per_step = rows[-1]["tokens"] / rows[-1]["step"]  # tokens of one global batch
+        return len(rows) * per_step / timed
+
+    def summary(self) -> dict:
+        """Plain data for a metrics JSON file: ``info``, ``step``, ``elapsed``, ``tokens_per_s``, the per-step
+        ``losses``, ``grad_norms`` and ``step_times``, and the whole ``history``."""
+        return dict(self.info, step=self.step, elapsed=self.elapsed, tokens_per_s=self.tokens_per_s,
+                    losses=self.losses, grad_norms=[r["grad_norm"] for r in self.history],
+                    step_times=[r.get("step_time") for r in self.history], history=self.history,
+                    checkpoint=None if self.checkpoint is None else str(self.checkpoint))
 
 
 class TrainingDiverged(RuntimeError):
@@ -201,19 +222,22 @@ def _next_batch(batches, step: int, iterator, device) -> tuple[torch.Tensor, tor
     return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
 
 
-def _autocast(device: torch.device, dtype: str):
-    return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=dtype == "bfloat16")
+def autocast(device: torch.device, dtype: str):
+    """The forward's autocast context: bf16 when ``dtype == "bfloat16"`` (:data:`DTYPES`), else off."""
+    return torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16, enabled=dtype == "bfloat16")
 
 
 @torch.no_grad()
 def evaluate(model: nn.Module, batches, num_batches: int = 8, device: str | torch.device = "cpu",
-             dtype: str = "float32") -> float:
+             dtype: str = "float32", plan=None) -> float:
     """Mean language-modelling loss over the first ``num_batches`` batches, in eval mode: the
     model's ``metrics["lm_loss"]`` when it reports one (K3: CE without the MTP/MoE terms), else ``loss``.
 
     ``batches``: a callable ``i -> (x, y)`` (batches 0..num_batches-1, the same every time) or an
     iterable (a fresh ``iter()`` each call: a list gives the same batches each time, a generator
     continues where it stopped; fewer batches than ``num_batches`` is fine).
+    ``plan``: :func:`fit`'s run under a parallel plan: each rank evaluates its part of every global batch and
+    the shares are summed over the ranks (every rank returns the same value).
     """
     device = torch.device(device)
     was_training = model.training
@@ -224,9 +248,20 @@ def evaluate(model: nn.Module, batches, num_batches: int = 8, device: str | torc
         source = (b for _, b in zip(range(num_batches), batches))
     losses = []
     for x, y in source:
-        with _autocast(device, dtype):
-            out = model(x.to(device), labels=y.to(device))
-        losses.append(float(out.metrics.get("lm_loss", out.loss)))
+        shard = None
+        if plan is not None and plan.distributed:
+            from k3lab.parallel.parallelize import global_label_counts, local_batch
+
+            x, y, shard = local_batch(x, y, plan.dims, plan.rank, *global_label_counts(y), plan.parallel.cp_layout)
+            if shard.mtp_input_ids is not None:
+                shard.mtp_input_ids, shard.mtp_labels = shard.mtp_input_ids.to(device), shard.mtp_labels.to(device)
+        with autocast(device, dtype):
+            out = (model(x.to(device), labels=y.to(device)) if shard is None
+                   else model(x.to(device), labels=y.to(device), shard=shard))
+        loss = out.metrics.get("lm_loss", out.loss).detach().float()
+        if shard is not None:
+            loss = _all_reduce_sum({"loss": loss}, plan.groups.world, device)["loss"]
+        losses.append(float(loss))
     model.train(was_training)
     if not losses:
         raise ValueError("evaluate: val_batches gave no batch")
@@ -257,82 +292,256 @@ def _host_floats(values: dict) -> dict:
     return {k: floats[k] for k in values}
 
 
-def _saved_train_config(resume_from: str | os.PathLike) -> dict:
-    """The TrainConfig a checkpoint was written with (state.json), fields it predates at their defaults."""
-    saved = json.loads((resolve_checkpoint(resume_from) / "state.json").read_text()).get("train_config") or {}
-    return {**_plain_config(TrainConfig()), **saved}
+# ----------------------------------------------------------------------------------------------
+# the run's layout: one process, or this rank's part of a parallel plan
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class _Run:
+    """What the loop needs to know about the layout (built once by :func:`_setup`)."""
+
+    model: nn.Module
+    device: torch.device
+    groups: object                    # k3lab.parallel.dims.ParallelGroups (all None: one process)
+    parallel: object | None           # the ParallelOptions asked for (None: plain fit)
+    experts: set                      # EP expert slices (their gradients are summed over replicas)
+    local_shards: dict | None         # how DCP must see the EP slices
+
+    @property
+    def dims(self):
+        return self.groups.dims
+
+    @property
+    def rank(self) -> int:
+        return self.groups.rank
+
+    @property
+    def distributed(self) -> bool:
+        return self.groups.world is not None
 
 
-def fit(model: nn.Module, train_batches, cfg: TrainConfig, val_batches=None,
-        resume_from: str | os.PathLike | None = None, stop_at: int | None = None) -> TrainResult:
-    """Train ``model`` for ``cfg.steps`` optimizer steps; see the module docstring.
+def _run_device(cfg: TrainConfig, distributed: bool) -> torch.device:
+    device = resolve_device(cfg.device)
+    if distributed and device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())  # this rank's GPU (LOCAL_RANK, set at init)
+    return device
 
+
+def _setup(model, cfg: TrainConfig, parallel, first_batch_shape) -> _Run:
+    """Build (``model`` may be a zero-argument builder) and lay out the model: EP -> CP -> recompute ->
+    compile -> FSDP2 (:func:`k3lab.parallel.parallelize.parallelize`), the same plan at every world size."""
+    import torch.distributed as dist
+
+    from k3lab.parallel.dims import ParallelDims, ParallelGroups, init_groups
+    from k3lab.parallel.parallelize import expert_layout, expert_parameters, parallelize
+
+    world = dist.get_world_size() if parallel is not None and dist.is_initialized() else 1
+    if world > 1:  # before any group is made: every rank refuses alike, none waits for the others
+        for name, runs, why in _NOT_SHARDED:
+            if getattr(cfg, name) != runs:
+                raise ValueError(f"TrainConfig.{name}={getattr(cfg, name)!r}: at world size {world} {why}; "
+                                 f"use {name}={runs!r} (world size 1 runs it)")
+    if parallel is None:
+        groups = ParallelGroups(ParallelDims(1), 0, None, None, None, None)
+    else:
+        dims = ParallelDims(world, dp_shard=parallel.dp_shard, cp=parallel.cp, ep=parallel.ep)
+        groups = init_groups(dims, resolve_device(cfg.device).type, parallel.timeout)
+    distributed = groups.world is not None
+    device = _run_device(cfg, distributed)
+    builder = None if isinstance(model, nn.Module) else model
+    if builder is not None and not callable(builder):
+        raise ValueError(f"fit: model must be an nn.Module or a zero-argument builder, got {type(model).__name__}")
+    torch.manual_seed(cfg.seed)  # a builder draws the one-process initial weights from cfg.seed
+    source = None
+    if builder is None:
+        net = model
+    elif not distributed:
+        net = builder()
+    else:  # meta on every rank; rank 0's seeded one-process model fills the shards (k3lab.parallel.materialize)
+        source = builder() if groups.rank == 0 else None
+        with torch.device("meta"):
+            net = builder()
+    if not isinstance(net, nn.Module):
+        raise ValueError(f"fit: the model builder returned {type(net).__name__}, not an nn.Module")
+    if parallel is not None and hasattr(net, "config"):
+        groups.dims.check_model(net.config, *first_batch_shape)
+    if cfg.fused_loss:
+        if not hasattr(net, "fused_loss"):
+            raise ValueError(f"TrainConfig.fused_loss=True: {type(net).__name__} has no fused_loss attribute "
+                             "(K3ForCausalLM has); use fused_loss=False for this model")
+        net.fused_loss = True
+    meta = next(net.parameters()).is_meta
+    if not meta:
+        net.to(device)
+    if cfg.param_dtype != "float32" and not distributed:
+        cast_params_(net, cfg.param_dtype)  # trainable floating params only; buffers stay as the model made them
+    bf16_compute = torch.bfloat16 if distributed and cfg.param_dtype == "bfloat16" else None  # FSDP2 mixed precision
+    net, experts = parallelize(net, groups, device, ep_kind=getattr(parallel, "ep_kind", "moonep"),
+                               cp_layout=getattr(parallel, "cp_layout", "contiguous"), recompute=cfg.recompute,
+                               recompute_layers=cfg.recompute_layers, compile=cfg.compile, param_dtype=bf16_compute)
+    if meta:
+        from k3lab.parallel.materialize import materialize_from_rank0
+
+        net.to_empty(device=device)
+        materialize_from_rank0(net, source, device, groups.world)
+        if experts:  # to_empty made new Parameter objects for the (unsharded) expert slices
+            experts = set(expert_parameters(net))
+    del source
+    net.train()
+    return _Run(net, device, groups, parallel, experts, expert_layout(net, experts, groups))
+
+
+# TrainConfig values that run at world size 1 only: (field, the value a sharded run takes, why)
+_NOT_SHARDED = (
+    ("cuda_graph", False, "the step is not captured: its NCCL collectives (FSDP2's all-gathers and "
+                          "reduce-scatters, EP's all-to-alls with data-dependent sizes) are issued from Python hooks"),
+    ("moment_dtype", "float32", "FSDP2 keeps the fp32 masters as the sharded parameters (MixedPrecisionPolicy) and "
+                                "torch's AdamW steps them; bf16 moments are the fused one-GPU master step's"),
+    ("master_format", "float32", "FSDP2's sharded parameters are the fp32 masters (MixedPrecisionPolicy); split "
+                                 "masters are the fused one-GPU master step's"),
+)
+
+
+# ----------------------------------------------------------------------------------------------
+# resume: what the checkpoint was written with, and what this run changes
+# ----------------------------------------------------------------------------------------------
+def _saved_state(resume_from) -> tuple[Path, bool, dict]:
+    """(checkpoint folder, written by DCP?, the TrainConfig it was written with: fields it predates at their
+    defaults, plus the recorded ``batch_shape`` / ``data`` under those keys)."""
+    path = resolve_checkpoint(resume_from)
+    state = json.loads((path / "state.json").read_text())
+    dcp = (path / ".metadata").exists()
+    meta = state.get("extra", {}) if dcp else state
+    saved = {**plain_config(TrainConfig()), **(meta.get("train_config") or {})}
+    return path, dcp, {**saved, "batch_shape": meta.get("batch_shape"), "data": meta.get("data")}
+
+
+# changed on resume: honoured (the schedule and the optimizer's hyperparameters come from this run's config)
+HONOURED_ON_RESUME = ("steps", "lr", "min_lr_ratio", "warmup_steps", "warmup_frac", "weight_decay", "betas",
+                      "grad_clip", "optimizer_kwargs", "dtype", "moment_dtype", "master_format", "fused_loss",
+                      "compile", "recompute", "recompute_layers", "cuda_graph")
+# changed on resume: the checkpoint's RNG state and data position continue, so the run differs from an
+# uninterrupted one with either setting (a warning names them)
+DIFFERS_ON_RESUME = ("seed", "batch_shape", "data")
+
+
+def _resume_report(saved: dict, cfg: TrainConfig, batch_shape, data) -> None:
+    """Warn once, naming every changed field with both values: which are honoured, which only differ."""
+    mine = {**plain_config(cfg), "batch_shape": list(batch_shape), "data": data}
+    if saved["optimizer"] != cfg.optimizer:
+        raise ValueError(f"TrainConfig.optimizer={cfg.optimizer!r}: the checkpoint was trained with "
+                         f"optimizer={saved['optimizer']!r}, whose state does not fit; resume with that value")
+
+    def changed(names):
+        return [f"{k} {saved[k]!r} -> {mine[k]!r}" for k in names
+                if saved.get(k) is not None and json.dumps(saved[k]) != json.dumps(mine[k])]
+
+    honoured, differs = changed(HONOURED_ON_RESUME), changed(DIFFERS_ON_RESUME)
+    if honoured or differs:
+        warnings.warn("resuming with changed settings: "
+                      + (f"honoured (this run's values): {', '.join(honoured)}" if honoured else "")
+                      + ("; " if honoured and differs else "")
+                      + (f"differ from the checkpoint (its RNG state and data position continue, so the run "
+                         f"will not match an uninterrupted one): {', '.join(differs)}" if differs else ""),
+                      stacklevel=3)
+
+
+def _group_settings(optimizer) -> list[dict]:
+    """Every param group's hyperparameters (all but the parameters) as this run's config built them."""
+    return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+
+
+def _resume(run: _Run, resume_from, cfg: TrainConfig, optimizer, masters, batch_shape, data) -> dict:
+    """Load weights, optimizer state, RNG, step and history; this run's optimizer hyperparameters stay."""
+    path, dcp, saved = _saved_state(resume_from)
+    if dcp and masters is not None:
+        raise ValueError(f"TrainConfig.param_dtype={cfg.param_dtype!r}: {path} is a sharded (DCP) checkpoint, whose "
+                         "fp32 parameters the one-process master-weight optimizer does not read; resume it with "
+                         "param_dtype='float32' at world size 1, or at the world size it was saved with")
+    if not dcp and run.distributed:
+        raise ValueError(f"fit: resume_from={str(path)!r} is a one-process checkpoint (k3lab.checkpoint), which "
+                         f"cannot be sharded over {run.dims.world_size} ranks; resume it at world size 1")
+    if not dcp and saved["param_dtype"] != cfg.param_dtype:
+        raise ValueError(f"TrainConfig.param_dtype={cfg.param_dtype!r}: the checkpoint at {path} was "
+                         f"trained with param_dtype={saved['param_dtype']!r}; resume with that value "
+                         "(the fp32 master weights exist only in a param_dtype='bfloat16' run)")
+    _resume_report(saved, cfg, batch_shape, data)
+    settings = _group_settings(optimizer)
+    if dcp:
+        from k3lab.parallel.checkpoint import load_distributed
+
+        state = load_distributed(path, run.model, optimizer, group=run.groups.world, local_shards=run.local_shards)
+        for note in state.get("warnings", []):
+            warnings.warn(note, stacklevel=3)
+    else:
+        state = load_checkpoint(path, run.model, optimizer)
+        set_rng_state(load_file(str(path / "rng.safetensors")), state["rng"])
+    for group, mine in zip(optimizer.param_groups, settings):  # honour this run's lr, betas, weight decay, ...
+        group.update(mine)
+    state["path"] = str(path)
+    return state
+
+
+# ----------------------------------------------------------------------------------------------
+# the loop
+# ----------------------------------------------------------------------------------------------
+def fit(model, train_batches, cfg: TrainConfig, val_batches=None, resume_from: str | os.PathLike | None = None,
+        stop_at: int | None = None, *, parallel=None, on_step=None, data: str | None = None) -> TrainResult:
+    """Train for ``cfg.steps`` optimizer steps, in one process or as one rank of a parallel run; see the
+    module docstring.
+
+    model:         an ``nn.Module``, or a zero-argument builder (called after ``torch.manual_seed(cfg.seed)``;
+        under a process group rank 0 builds the one-process model and every rank a meta copy that is
+        sharded, then filled from it: :mod:`k3lab.parallel.materialize`).
     train_batches: callable ``step -> (input_ids [B, T], labels [B, T])`` (preferred: exact resume)
-        or an iterable of such pairs (on resume it must start at the resumed step).
+        or an iterable of such pairs (on resume it must start at the resumed step). Under ``parallel``
+        it gives the *global* batch, the same on every rank; each rank keeps its part.
     val_batches:   callable or iterable for :func:`evaluate`, run every ``cfg.eval_every`` steps and
         at step ``cfg.steps``; the record of that step gets ``val_loss``.
     resume_from:   a checkpoint folder or a run folder (``out_dir`` with ``latest``): weights,
-        optimizer, RNG states, step and history are restored; build the same model first.
+        optimizer, RNG states, step and history are restored; build the same model first. This run's
+        schedule and optimizer hyperparameters (lr, betas, weight decay, ...) are used, and a warning
+        names every changed setting (:data:`HONOURED_ON_RESUME`, :data:`DIFFERS_ON_RESUME`).
     stop_at:       end this call after that many steps (the schedule still spans ``cfg.steps``);
         a later ``fit(..., resume_from=out_dir)`` continues, as after an interruption.
-    ``cfg.param_dtype="bfloat16"`` casts the model's trainable floating parameters to bf16 in place
-    and ``cfg.fused_loss=True`` sets ``model.fused_loss``; both stay so after fit returns. A resume
-    must use the ``param_dtype`` the checkpoint was written with (ValueError otherwise); it may change
-    ``master_format`` (the masters are saved as fp32 in either format; a warning names the changed field).
+    parallel:      a :class:`k3lab.parallel.parallelize.ParallelOptions`: run the parallel plan over the
+        initialised default process group (torchrun; none = world size 1, where the plan is the
+        one-process model). Checkpoints are then DCP (sharded) when the world size is above 1.
+    on_step:       ``on_step(step, row)`` after each step (row: the step's metrics).
+    data:          a name for the data source, recorded in checkpoints (a resume warns when it differs).
+
+    ``cfg.param_dtype="bfloat16"`` casts the model's trainable floating parameters to bf16 in place at
+    world size 1 (above it, FSDP2 computes in bf16 from fp32 sharded masters) and ``cfg.fused_loss=True``
+    sets ``model.fused_loss``; both stay so after fit returns. A one-process resume must use the
+    ``param_dtype`` the checkpoint was written with (ValueError otherwise).
     Raises :class:`TrainingDiverged` on a non-finite loss or gradient norm, before that step
-    changes the weights; the checkpoints already written are kept.
+    changes the weights (on every rank); the checkpoints already written are kept.
     """
-    device = resolve_device(cfg.device)
-    if cfg.fused_loss:
-        if not hasattr(model, "fused_loss"):
-            raise ValueError(f"TrainConfig.fused_loss=True: {type(model).__name__} has no fused_loss attribute "
-                             "(K3ForCausalLM has); use fused_loss=False for this model")
-        model.fused_loss = True
-    model.to(device).train()
-    if cfg.param_dtype != "float32":
-        cast_params_(model, cfg.param_dtype)  # trainable floating params only; buffers stay as the model made them
-    apply_recompute(model, cfg.recompute, cfg.recompute_layers)  # before compiling: the checkpoint wrappers are traced too
-    compile_model(model, cfg.compile)  # "sublayer": torch.compile each mixer and MLP in place (same state_dict)
-    optimizer = build_optimizer(model, cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                betas=cfg.betas, **cfg.optimizer_kwargs)
+    if stop_at is not None and (type(stop_at) is not int or stop_at < 1):
+        raise ValueError(f"fit: stop_at={stop_at!r}: must be None or an int >= 1 (steps to run before stopping)")
+    iterator = None if callable(train_batches) else iter(train_batches)
+    first = _next_batch(train_batches, 0, iterator, "cpu") if callable(train_batches) else None
+    run = _setup(model, cfg, parallel, tuple(first[0].shape) if first is not None else (1, 1))
+    model, device = run.model, run.device
+    optimizer = build_optimizer(model, cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=cfg.betas,
+                                foreach=False if run.distributed else None, **cfg.optimizer_kwargs)
     masters = None
-    if cfg.param_dtype != "float32":  # step fp32 masters of the parameters (set_lr and checkpoints see its groups, state)
+    if cfg.param_dtype != "float32" and not run.distributed:  # step fp32 masters of the bf16 parameters
         optimizer = masters = MasterWeightOptimizer(model, optimizer, moment_dtype=cfg.moment_dtype,
                                                     master_format=cfg.master_format)
-    clip = cfg.grad_clip or math.inf
-
-    def clip_grad_norm():  # param_dtype="bfloat16": the masters' clip (fp32 grads, or the fused step's norm from bf16 grads)
-        return nn.utils.clip_grad_norm_(model.parameters(), clip) if masters is None else masters.clip_grad_norm_(clip)
-
-    graphed = graphed_update = None
-    if cfg.cuda_graph:
-        if masters is not None and not masters.fused:
-            raise ValueError("TrainConfig.cuda_graph=True with param_dtype='bfloat16' needs the fused master AdamW "
-                             f"step ({masters._why_not_fused()}); use cuda_graph=False")
-        graphed = GraphedForwardBackward(model, torch.bfloat16 if cfg.dtype == "bfloat16" else None,
-                                         after_backward=clip_grad_norm)
-        if masters is not None:  # the fused AdamW and the model's after-step work: a second graph
-            graphed_update = GraphedOptimizerStep(model, masters, graphed)
+    step_fn = _Step(run, cfg, optimizer, masters)
     torch.manual_seed(cfg.seed)
     step, tokens, elapsed_before, history, checkpoint = 0, 0, 0.0, [], None
     if resume_from is not None:
-        saved_cfg = _saved_train_config(resume_from)
-        if saved_cfg["param_dtype"] != cfg.param_dtype:
-            raise ValueError(f"TrainConfig.param_dtype={cfg.param_dtype!r}: the checkpoint at {resume_from} was "
-                             f"trained with param_dtype={saved_cfg['param_dtype']!r}; resume with that value "
-                             "(the fp32 master weights exist only in a param_dtype='bfloat16' run)")
-        state = load_checkpoint(resume_from, model, optimizer)
-        checkpoint, plain_cfg = Path(state["path"]), _plain_config(cfg)
-        changed = [k for k in TRAJECTORY_FIELDS if json.dumps(saved_cfg.get(k)) != json.dumps(plain_cfg[k])]
-        if changed:
-            warnings.warn(f"resuming {state['path']} with changed TrainConfig fields {changed}: "
-                          "the run will not match an uninterrupted one")
-        step, tokens, elapsed_before, history = state["step"], state["tokens"], state["elapsed"], state["history"]
-        _set_rng_state(load_file(str(Path(state["path"]) / "rng.safetensors")), state["rng"])
+        shape = tuple(first[0].shape) if first is not None else None
+        state = _resume(run, resume_from, cfg, optimizer, masters, shape or (), data)
+        checkpoint = Path(state["path"])
+        step, history = state["step"], state["history"]
+        tokens, elapsed_before = state.get("tokens", 0), state.get("elapsed", 0.0)
     end = cfg.steps if stop_at is None else min(cfg.steps, stop_at)
     out_dir = Path(cfg.out_dir) if cfg.out_dir is not None else None
+    lead = run.rank == 0  # the rank that logs (files, progress bar)
     metrics_file = None
-    if out_dir is not None:
+    if out_dir is not None and lead:
         out_dir.mkdir(parents=True, exist_ok=True)
         metrics_file = open(out_dir / "metrics.jsonl", "w")  # rewritten: history up to the resumed step
         metrics_file.writelines(json.dumps(r) + "\n" for r in history)
@@ -345,34 +554,28 @@ def fit(model: nn.Module, train_batches, cfg: TrainConfig, val_batches=None,
 
     def result() -> TrainResult:
         return TrainResult(history=history, step=step, checkpoint=checkpoint,
-                           elapsed=elapsed_before + time.perf_counter() - t0)
+                           elapsed=elapsed_before + time.perf_counter() - t0, info=_run_info(run))
 
-    iterator = None if callable(train_batches) else iter(train_batches)
+    def save(meta: dict) -> Path:
+        if run.distributed:
+            from k3lab.parallel.checkpoint import save_distributed
+
+            return save_distributed(out_dir, step, model, optimizer, meta, keep=cfg.keep_checkpoints,
+                                    group=run.groups.world, local_shards=run.local_shards)
+        return save_checkpoint(out_dir, model, optimizer, meta, keep=cfg.keep_checkpoints)
+
     tty = sys.stdout.isatty()  # a notebook's stdout is not: redraw at most once a second (fewer saved outputs)
-    bar = tqdm(total=cfg.steps, initial=step, desc=cfg.name, disable=not cfg.progress, file=sys.stdout,
+    bar = tqdm(total=cfg.steps, initial=step, desc=cfg.name, disable=not cfg.progress or not lead, file=sys.stdout,
                dynamic_ncols=tty, mininterval=0.1 if tty else 1.0)
     t0 = time.perf_counter()
+    batch_shape = None
     try:
         while step < end:
+            t_step = time.perf_counter()
             lr = set_lr(optimizer, step, cfg.steps, cfg.warmup, cfg.min_lr_ratio)
-            x, y = _next_batch(train_batches, step, iterator, device)
-            # backward before reading anything back: the step's one host sync comes after it (a non-finite
-            # loss gives non-finite gradients, and the check below stops the run before they are applied)
-            if graphed is not None:  # eager for two steps, then captured once and replayed
-                if masters is not None:
-                    masters.sync_from_params()  # QK-Clip's eager rescale before a capture stays out of it
-                out, norm = graphed(x, y)  # forward, backward, gradient norm (and clip coefficient)
-                if graphed.captured and masters is not None and not masters.keep_grads:
-                    masters.keep_grads = True  # the replays write into the captured gradient tensors
-            else:
-                with _autocast(device, cfg.dtype):
-                    out = model(x, labels=y)
-                if out.loss is None:
-                    raise ValueError("fit: model(input_ids, labels=...) returned loss=None")
-                out.loss.backward()
-                norm = clip_grad_norm()
-            metrics = _host_floats({**_metric_values(out), " loss": out.loss.float(), " grad_norm": norm})
-            loss, grad_norm = metrics.pop(" loss"), metrics.pop(" grad_norm")
+            x, y = (first if step == 0 and first is not None else _next_batch(train_batches, step, iterator, "cpu"))
+            batch_shape = list(x.shape)
+            loss, grad_norm, metrics = step_fn.forward_backward(x, y, step)
             if not (math.isfinite(loss) and math.isfinite(grad_norm)):
                 optimizer.zero_grad(set_to_none=True)
                 raise TrainingDiverged(
@@ -380,30 +583,133 @@ def fit(model: nn.Module, train_batches, cfg: TrainConfig, val_batches=None,
                     f"grad_norm={grad_norm}) at step {step + 1}: training stopped before this update. "
                     f"Last good checkpoint: {checkpoint or 'none (no out_dir, or none saved yet)'}.",
                     result())
-            if graphed_update is not None and graphed.captured:  # AdamW + balancers + QK-Clip: one graph replay
-                graphed_update()
-            else:
-                optimizer.step()
-                if graphed is None or not graphed.captured:  # a replay overwrites the captured gradients itself
-                    optimizer.zero_grad(set_to_none=True)
-                if hasattr(model, "after_optimizer_step"):
-                    model.after_optimizer_step()
+            step_fn.update()
             step += 1
             tokens += x.numel()
+            now = time.perf_counter()
             row = dict(step=step, loss=loss, lr=lr, grad_norm=grad_norm, tokens=tokens,
-                       elapsed=round(elapsed_before + time.perf_counter() - t0, 4), **metrics)
+                       elapsed=round(elapsed_before + now - t0, 4), step_time=round(now - t_step, 6), **metrics)
             if val_batches is not None and (step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0)):
-                row["val_loss"] = evaluate(model, val_batches, cfg.eval_batches, device, cfg.dtype)
+                row["val_loss"] = evaluate(model, val_batches, cfg.eval_batches, device, cfg.dtype, plan=run)
             if step % cfg.log_every == 0 or step == end or "val_loss" in row:
                 record(row)
                 bar.set_postfix({k: f"{row[k]:.4g}" for k in ("loss", "val_loss", "lr") if k in row}, refresh=False)
             bar.update(1)
+            if on_step is not None:
+                on_step(step, row)
             if out_dir is not None and (step == end or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0)):
                 meta = dict(step=step, tokens=tokens, elapsed=elapsed_before + time.perf_counter() - t0,
-                            history=history, train_config=_plain_config(cfg))
-                checkpoint = save_checkpoint(out_dir, model, optimizer, meta, keep=cfg.keep_checkpoints)
+                            history=history, train_config=plain_config(cfg), batch_shape=batch_shape, data=data,
+                            world_size=run.dims.world_size)
+                checkpoint = save(meta)
     finally:
         bar.close()
         if metrics_file is not None:
             metrics_file.close()
     return result()
+
+
+class _Step:
+    """One training step of a run: forward + backward + the gradient norm (one host sync), then the update.
+    The same code at every world size; what the layout adds is marked ``run.distributed``."""
+
+    def __init__(self, run: _Run, cfg: TrainConfig, optimizer, masters):
+        self.run, self.cfg, self.optimizer, self.masters = run, cfg, optimizer, masters
+        self.params = [p for p in run.model.parameters() if p.requires_grad]
+        self.clip = cfg.grad_clip or math.inf
+        self.graphed = self.graphed_update = None
+        if cfg.cuda_graph:
+            if masters is not None and not masters.fused:
+                raise ValueError("TrainConfig.cuda_graph=True with param_dtype='bfloat16' needs the fused master AdamW "
+                                 f"step ({masters.why_not_fused()}); use cuda_graph=False")
+            self.graphed = GraphedForwardBackward(run.model, torch.bfloat16 if cfg.dtype == "bfloat16" else None,
+                                                  after_backward=self.clip_grad_norm)
+            if masters is not None:  # the fused AdamW and the model's after-step work: a second graph
+                self.graphed_update = GraphedOptimizerStep(run.model, masters, self.graphed)
+
+    def clip_grad_norm(self):
+        """The global gradient norm (a tensor; not read back here) and the clip."""
+        run = self.run
+        if run.distributed:
+            from k3lab.parallel.fsdp import clip_grad_norm_, sum_expert_grads_
+
+            sum_expert_grads_([p for p in self.params if p in run.experts], run.groups.edp)
+            return clip_grad_norm_(self.params, self.clip, run.experts, run.dims.world_size // run.dims.ep,
+                                   run.groups.world)
+        if self.masters is not None:  # the masters' clip (fp32 grads, or the fused step's norm from bf16 grads)
+            return self.masters.clip_grad_norm_(self.clip)
+        return nn.utils.clip_grad_norm_(self.params, self.clip)
+
+    def forward_backward(self, x, y, step: int) -> tuple[float, float, dict]:
+        """Loss, gradient norm and the logged metrics, read back together (the step's one host sync, after
+        backward: a non-finite loss gives non-finite gradients, and the caller stops before the update)."""
+        run, model = self.run, self.run.model
+        shard = None
+        if run.distributed:
+            from k3lab.parallel.parallelize import global_label_counts, local_batch, maybe_inject_fault
+
+            maybe_inject_fault(run.rank, step)
+            x, y, shard = local_batch(x, y, run.dims, run.rank, *global_label_counts(y), run.parallel.cp_layout)
+            if shard.mtp_input_ids is not None:
+                shard.mtp_input_ids = shard.mtp_input_ids.to(run.device, non_blocking=True)
+                shard.mtp_labels = shard.mtp_labels.to(run.device, non_blocking=True)
+        x, y = x.to(run.device, non_blocking=True), y.to(run.device, non_blocking=True)
+        if self.graphed is not None:  # eager for two steps, then captured once and replayed
+            if self.masters is not None:
+                self.masters.sync_from_params()  # QK-Clip's eager rescale before a capture stays out of it
+            out, norm = self.graphed(x, y)  # forward, backward, gradient norm (and clip coefficient)
+            if self.graphed.captured and self.masters is not None and not self.masters.keep_grads:
+                self.masters.keep_grads = True  # the replays write into the captured gradient tensors
+        else:
+            with autocast(run.device, self.cfg.dtype):
+                out = model(x, labels=y) if shard is None else model(x, labels=y, shard=shard)
+            if out.loss is None:
+                raise ValueError("fit: model(input_ids, labels=...) returned loss=None")
+            out.loss.backward()
+            norm = self.clip_grad_norm()
+        values = {**_metric_values(out), " loss": out.loss.float()}
+        if run.distributed:  # each rank's loss and metrics are its shares of the global batch's: their sum
+            values = _all_reduce_sum(values, run.groups.world, run.device)
+        metrics = _host_floats({**values, " grad_norm": norm})
+        return metrics.pop(" loss"), metrics.pop(" grad_norm"), metrics
+
+    def update(self) -> None:
+        """The optimizer step and the model's after-step work (balancers, QK-Clip from the MAX-reduced logits)."""
+        run, model = self.run, self.run.model
+        if self.graphed_update is not None and self.graphed.captured:  # AdamW + balancers + QK-Clip: one replay
+            self.graphed_update()
+            return
+        self.optimizer.step()
+        if self.graphed is None or not self.graphed.captured:  # a replay overwrites the captured gradients itself
+            self.optimizer.zero_grad(set_to_none=True)
+        if run.distributed:
+            from k3lab.parallel.parallelize import reduce_max_logits_
+
+            reduce_max_logits_(model, run.groups.world)
+        if hasattr(model, "after_optimizer_step"):
+            model.after_optimizer_step()
+
+
+def _all_reduce_sum(values: dict, group, device) -> dict:
+    """``{name: 0-d tensor | number}`` summed over the ranks in one all-reduce."""
+    import torch.distributed as dist
+
+    names = list(values)
+    flat = torch.stack([torch.as_tensor(values[k], dtype=torch.float64, device=device).detach().reshape(())
+                        for k in names])
+    dist.all_reduce(flat, group=group)
+    return dict(zip(names, flat.unbind()))
+
+
+def _run_info(run: _Run) -> dict:
+    """What the layout was and what the experts saw: world size, dims, per-MoE-layer loads and EP slots."""
+    import dataclasses
+
+    from k3lab.moe.latent import LatentMoE
+
+    moes = [m for m in run.model.modules() if isinstance(m, LatentMoE)]
+    slots = [getattr(m.dispatcher, "last_slots_per_rank", None) for m in moes if hasattr(m, "dispatcher")]
+    return dict(world_size=run.dims.world_size, dims=dataclasses.asdict(run.dims), device=str(run.device),
+                ep_kind=getattr(run.parallel, "ep_kind", None),
+                expert_loads=[m.balancer.metrics()["load"].tolist() for m in moes],
+                slots_per_rank=[[int(v) for v in s.tolist()] for s in slots if s is not None])

@@ -46,7 +46,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from k3lab.backend import resolve_backend, resolve_device  # noqa: E402
-from k3lab.config import ModelConfig  # noqa: E402
+from k3lab.config import DEVICES, RUNNABLE_PRESETS, ModelConfig  # noqa: E402
 from k3lab.costs import InferenceCosts  # noqa: E402
 from k3lab.infer import GenerationStats, decode, generate, prefill, prefill_rows  # noqa: E402
 from k3lab.model import K3ForCausalLM  # noqa: E402
@@ -325,8 +325,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=SECTIONS)
     ap.add_argument("--cpu-smoke", action="store_true", help="CPU, tiny preset, tiny sizes: a quick check that it runs")
-    ap.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
-    ap.add_argument("--preset", default="small", choices=("tiny", "small"))
+    ap.add_argument("--device", default="auto", choices=DEVICES)
+    ap.add_argument("--preset", default="small", choices=RUNNABLE_PRESETS)
     ap.add_argument("--dtype", default="bfloat16", choices=tuple(DTYPES))
     ap.add_argument("--context", type=int, default=1 << 20, help="prefill tokens (default %(default)s)")
     ap.add_argument("--chunk", type=int, default=16384, help="prefill chunk (default %(default)s)")

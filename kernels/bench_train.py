@@ -82,9 +82,10 @@ if ROOT not in sys.path:  # run as a script from anywhere: the repo's k3lab firs
     sys.path.insert(0, ROOT)
 
 from k3lab.compile import COMPILE_MODES  # noqa: E402
+from k3lab.config import DEVICES, DTYPES  # noqa: E402
 from k3lab.memory import RECOMPUTE_MODES  # noqa: E402
 from k3lab.precision import MASTER_FORMATS, MOMENT_DTYPES, PARAM_DTYPES  # noqa: E402
-from k3lab.train import PRECISIONS  # noqa: E402
+from k3lab.train import OPTIMIZERS, PRECISIONS  # noqa: E402
 
 MODELS = ("small", "kda-anchor", "fla-kda-anchor", "tiny")
 DEFAULT_CONFIGS = ("small-16x1024", "small-8x4096", "kda-anchor-8x4096", "fla-kda-anchor-8x4096")
@@ -359,9 +360,9 @@ def main(argv=None):
                         help=f"configs to run, in order; MODEL in {MODELS} (default: %(default)s)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps (default %(default)s)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps after the first one (default %(default)s)")
-    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
+    parser.add_argument("--dtype", default="bfloat16", choices=DTYPES,
                         help="k3lab: autocast dtype (TrainConfig.dtype; default %(default)s)")
-    parser.add_argument("--optimizer", default="adamw", choices=("adamw", "muon"))
+    parser.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
     parser.add_argument("--compile", default="none", choices=COMPILE_MODES,
                         help="TrainConfig.compile for the k3lab configs (default %(default)s)")
     parser.add_argument("--recompute", default="none", choices=RECOMPUTE_MODES,
@@ -373,10 +374,10 @@ def main(argv=None):
                              "weights, needs --dtype bfloat16 (default %(default)s)")
     parser.add_argument("--fused-loss", action="store_true",
                         help="TrainConfig.fused_loss = True for the k3lab configs (chunked linear cross-entropy)")
-    parser.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
+    parser.add_argument("--device", default="auto", choices=DEVICES)
     parser.add_argument("--peak-flops", type=float, default=PEAK_FLOPS,
                         help="the FLOP/s that MFU divides by (default 790e12: H200 bf16 dense, measured)")
-    parser.add_argument("--fla-weights", default="bfloat16", choices=("bfloat16", "float32"),
+    parser.add_argument("--fla-weights", default="bfloat16", choices=DTYPES,
                         help="fla model: bf16 weights without autocast (fla's anchor), or fp32 weights under "
                              "--dtype autocast like the k3lab models (default %(default)s)")
     parser.add_argument("--fla-autotune-cache", default=None, metavar="TGZ",

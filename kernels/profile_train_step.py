@@ -29,12 +29,13 @@ import time
 import torch
 
 from k3lab.compile import COMPILE_MODES, compile_model, compile_sublayers
-from k3lab.config import ModelConfig
+from k3lab.config import RUNNABLE_PRESETS, ModelConfig
 from k3lab.cuda_graph import GraphedForwardBackward, GraphedOptimizerStep
 from k3lab.memory import RECOMPUTE_MODES, apply_recompute
 from k3lab.model import K3ForCausalLM
 from k3lab.optim import build_optimizer
 from k3lab.precision import MASTER_FORMATS, MOMENT_DTYPES, PARAM_DTYPES, MasterWeightOptimizer, cast_params_
+from k3lab.train import OPTIMIZERS
 
 KINDS = [  # (kind, regex on the CUDA kernel name), first match wins
     ("our KDA kernels (Triton)", r"^kda_"),
@@ -192,7 +193,7 @@ def print_saved(cfg, args, dev, x) -> None:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", default="small", choices=("tiny", "small", "kda-anchor"))
+    parser.add_argument("--preset", default="small", choices=RUNNABLE_PRESETS + ("kda-anchor",))
     parser.add_argument("--compile", default="none", choices=COMPILE_MODES)
     parser.add_argument("--recompute", default="none", choices=RECOMPUTE_MODES)
     parser.add_argument("--recompute-layers", type=int, default=None,
@@ -207,7 +208,7 @@ def main():
                         help="the step as two CUDA graphs after two eager steps, as fit runs it (TrainConfig.cuda_graph)")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=1024)
-    parser.add_argument("--optimizer", default="adamw", choices=("adamw", "muon"))
+    parser.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
     parser.add_argument("--param-dtype", default="float32", choices=PARAM_DTYPES,
                         help="bfloat16: bf16 weights with fp32 master weights (TrainConfig.param_dtype)")
     parser.add_argument("--moment-dtype", default="float32", choices=MOMENT_DTYPES,

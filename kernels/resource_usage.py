@@ -30,6 +30,8 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
+from k3lab.config import DTYPES  # noqa: E402
+
 TORCH_TO_TRITON = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
                    torch.int64: "i64"}
 
@@ -118,7 +120,7 @@ HOPPER_MAX_SHARED = 232448  # bytes of shared memory one block may use on sm_90 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument("--dtype", default="bfloat16", choices=DTYPES)
     parser.add_argument("--shape", default="8,4096,16,128", help="B,T,H,D")
     parser.add_argument("--sass", action="store_true", help="also count SASS instructions (static, not executed)")
     args = parser.parse_args()

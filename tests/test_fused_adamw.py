@@ -522,6 +522,6 @@ def test_fit_with_split_masters_resumes_in_either_format(tmp_path):
             master = saved[f"{index[id(lo_or_w)]}.master"].to(DEVICE)
             assert master.dtype == torch.float32 and torch.equal(bits(w), bits(master))
             assert torch.equal(p, split_master(master)[0] if load_as == "split" else master.to(torch.bfloat16))
-    with pytest.warns(UserWarning, match=r"changed TrainConfig fields \['master_format'\]"):
+    with pytest.warns(UserWarning, match=r"honoured \(this run's values\): master_format 'float32' -> 'split'"):
         _, crossed = lm_run("split", tmp_path / "f32", resume_from=tmp_path / "f32")
     assert crossed.step == 4 and all(torch.isfinite(torch.tensor(r["loss"])) for r in crossed.history)

@@ -114,9 +114,9 @@ def test_kda_op_gets_contiguous_inputs(monkeypatch):
 
     def spy(q, k, v, g, beta, initial_state):
         seen.update(q=q, k=k, v=v, g=g, beta=beta)
-        return KDA._mix(layer, q, k, v, g, beta, initial_state)
+        return KDA.mix(layer, q, k, v, g, beta, initial_state)
 
-    monkeypatch.setattr(layer, "_mix", spy)
+    monkeypatch.setattr(layer, "mix", spy)
     layer(rand_x(layer, dtype=torch.float32))
     assert {name: t.is_contiguous() for name, t in seen.items()} == dict.fromkeys(seen, True)
 

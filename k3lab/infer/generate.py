@@ -33,6 +33,7 @@ from typing import Iterator
 
 import torch
 
+from k3lab.backend import synchronize
 from k3lab.infer import cache as hcache
 from k3lab.infer.sampling import check_sampling, sample_next
 from k3lab.model import K3Cache
@@ -94,11 +95,6 @@ class Prefilled:
     residual: Tensor
     lengths: list
     mtp_cache: object = None
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def model_device(model) -> torch.device:
@@ -210,7 +206,7 @@ def prefill_rows(model, ids: Tensor, chunk_size: int = DEFAULT_CHUNK_TOKENS, cac
                 _, _, mtp_cache = mtp_step(model.mtp, model.model.embed_tokens(x_next), h[:, :x_next.shape[1]], mtp_cache)
             prev_h = step.residual[:, -1:]
         if on_block is not None and block_tokens and end % block_tokens == 0:
-            _sync(device)
+            synchronize(device)
             now = time.perf_counter()
             on_block(end, cache, now - t0)
             t0 = now
@@ -239,7 +235,7 @@ def prefill(model, prompts, chunk_size: int = DEFAULT_CHUNK_TOKENS, prefix_cache
     was_training = model.training
     model.eval()
     try:
-        _sync(device)
+        synchronize(device)
         t0 = time.perf_counter()
         parts: dict[int, Prefilled] = {}
         if prefix_cache is not None:
@@ -264,7 +260,7 @@ def prefill(model, prompts, chunk_size: int = DEFAULT_CHUNK_TOKENS, prefix_cache
         order = [parts[i] for i in range(len(rows))]
         out = Prefilled(hcache.stack([p.cache for p in order]), torch.cat([p.logits for p in order]),
                         torch.cat([p.residual for p in order]), [len(r) for r in rows], order[0].mtp_cache)
-        _sync(device)
+        synchronize(device)
         if stats is not None:
             stats.prompt_tokens += sum(len(r) for r in rows)
             stats.prefill_s += time.perf_counter() - t0
@@ -293,7 +289,7 @@ def decode(model, pre: Prefilled, max_new_tokens: int, temperature: float = 0.0,
     was_training = model.training
     model.eval()
     try:
-        _sync(device)
+        synchronize(device)
         t0 = time.perf_counter()
         while active and max_new_tokens > 0:
             nxt = sample_next(logits, temperature, top_k, top_p, generator)  # [B]
@@ -315,7 +311,7 @@ def decode(model, pre: Prefilled, max_new_tokens: int, temperature: float = 0.0,
             cache, logits = step.cache, step.logits[:, -1]
             if stats is not None:
                 stats.forwards += 1
-        _sync(device)
+        synchronize(device)
         if stats is not None:
             stats.decode_s += time.perf_counter() - t0
     finally:

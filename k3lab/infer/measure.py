@@ -12,12 +12,9 @@ import time
 
 import torch
 
+from k3lab.backend import synchronize
+
 Tensor = torch.Tensor
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 @torch.no_grad()
@@ -34,16 +31,16 @@ def measure_inference(model, context: int, decode_tokens: int = 16, batch_size: 
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, model.config.vocab_size, (batch_size, context), generator=g).to(device)
     model.eval()
-    _sync(device)
+    synchronize(device)
     t0 = time.perf_counter()
     out = model(ids)
-    _sync(device)
+    synchronize(device)
     prefill_s = time.perf_counter() - t0
     cache_bytes = out.cache.nbytes()
     t0 = time.perf_counter()
     for _ in range(decode_tokens):
         out = model(out.logits[:, -1:].argmax(-1), cache=out.cache)
-    _sync(device)
+    synchronize(device)
     decode_s = (time.perf_counter() - t0) / decode_tokens
     return dict(context=context, prefill_s=prefill_s, decode_s_per_token=decode_s, cache_bytes=cache_bytes)
 

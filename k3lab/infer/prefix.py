@@ -37,8 +37,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from k3lab.backend import synchronize
 from k3lab.infer import cache as hcache
-from k3lab.infer.generate import DEFAULT_CHUNK_TOKENS, Prefilled, _sync, model_device, prefill_rows
+from k3lab.infer.generate import DEFAULT_CHUNK_TOKENS, Prefilled, model_device, prefill_rows
 from k3lab.mixers.kda import KDACache
 from k3lab.mixers.mla import MLACache
 from k3lab.model import K3Cache
@@ -243,7 +244,7 @@ class PrefixCache:
         ids = torch.tensor([tokens[hit:]], dtype=torch.long, device=model_device(model))
         pre = prefill_rows(model, ids, chunk_size, cache=cache, block_tokens=N, on_block=on_block)
         pre.lengths = [len(tokens)]
-        _sync(model_device(model))
+        synchronize(model_device(model))
         return pre, hit
 
     def _index_of(self, tokens: list[int], blocks: int) -> int | None:

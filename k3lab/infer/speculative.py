@@ -38,8 +38,9 @@ import time
 
 import torch
 
+from k3lab.backend import synchronize
 from k3lab.infer import cache as hcache
-from k3lab.infer.generate import GenerationStats, Prefilled, _sync
+from k3lab.infer.generate import GenerationStats, Prefilled
 from k3lab.infer.sampling import next_token_probs, sample_next
 from k3lab.mixers.kda import KDA
 from k3lab.model import K3Cache
@@ -165,7 +166,7 @@ def speculative_decode(model, pre: Prefilled, k: int, max_new_tokens: int, tempe
     model.eval()
     drafted = accepted = 0
     try:
-        _sync(device)
+        synchronize(device)
         t0 = time.perf_counter()
         cache, mtp_cache = pre.cache, pre.mtp_cache
         x = int(sample_next(pre.logits, temperature, top_k, top_p, generator).item())
@@ -208,7 +209,7 @@ def speculative_decode(model, pre: Prefilled, k: int, max_new_tokens: int, tempe
                 stats.accepted += j
                 stats.mtp_forwards += k_eff
     finally:
-        _sync(device)
+        synchronize(device)
         if stats is not None:
             stats.decode_s += time.perf_counter() - t0
             stats.per_row.append((drafted, accepted))

@@ -44,7 +44,7 @@ plain-torch reference)::
 The master is rebuilt exactly, so ``w``, ``m`` and ``v`` follow the float32-master update bit for bit; ``p`` is
 ``bf16(w)`` except at exact ties (low 16 bits 0x8000), rounded away from zero, not to even. ±inf splits
 into itself and lo = 0; the largest finite float into p = ±inf, lo = −1 (still exact). NaNs become the quiet
-NaN 0x7FC0 (as ``_bf16_round_nearest_even`` makes them) and lo = 0: a NaN's payload is not kept — the GPU's NaN 0x7FFFFFFF has no split
+NaN 0x7FC0 (as ``bf16_round_nearest_even`` makes them) and lo = 0: a NaN's payload is not kept — the GPU's NaN 0x7FFFFFFF has no split
 with a NaN ``p`` (its nearest high half, 0x8000, is −0). Integer operations only, so the interpreter gives
 the GPU's bits. Traffic: ``p`` is read too, ``lo`` replaces ``w``: 18 bytes a parameter with bf16 moments
 (20 with float32 masters), 26 with float32 moments (28).
@@ -58,7 +58,7 @@ import torch
 import triton
 import triton.language as tl
 
-from k3lab.kernels.rounding import _bf16_round_nearest_even
+from k3lab.kernels.rounding import DTYPES, bf16_round_nearest_even
 
 Tensor = torch.Tensor
 BLOCK = 2048  # elements per program (8 per thread at 8 warps)
@@ -115,8 +115,8 @@ def _adamw_elements(w_ptr, g_ptr, m_ptr, v_ptr, p_ptr, offs, mask, clip, decay, 
     m = beta1 * _load(m_ptr, offs, mask, MASKED).to(tl.float32) + (1.0 - beta1) * g
     v = beta2 * _load(v_ptr, offs, mask, MASKED).to(tl.float32) + (1.0 - beta2) * g * g
     if MOMENTS_BF16:  # the stored moments are what the next step reads: round them first, as torch does
-        m = _bf16_round_nearest_even(m).to(tl.float32)
-        v = _bf16_round_nearest_even(v).to(tl.float32)
+        m = bf16_round_nearest_even(m).to(tl.float32)
+        v = bf16_round_nearest_even(v).to(tl.float32)
     w = w - step_size * m / (tl.sqrt(v) / bc2_sqrt + eps)
     if SPLIT:
         p, lo = _split_master(w)
@@ -124,7 +124,7 @@ def _adamw_elements(w_ptr, g_ptr, m_ptr, v_ptr, p_ptr, offs, mask, clip, decay, 
         _store(p_ptr, offs, p, mask, MASKED)
     else:
         _store(w_ptr, offs, w, mask, MASKED)
-        _store(p_ptr, offs, _bf16_round_nearest_even(w), mask, MASKED)
+        _store(p_ptr, offs, bf16_round_nearest_even(w), mask, MASKED)
     if MOMENTS_BF16:
         _store(m_ptr, offs, m.to(tl.bfloat16), mask, MASKED)  # exact: m is a bf16 value already
         _store(v_ptr, offs, v.to(tl.bfloat16), mask, MASKED)
@@ -172,7 +172,6 @@ def _master_adamw_kernel(addresses, numels, block_tensor, block_start, clip_ptr,
                         step_size, bc2_sqrt, MOMENTS_BF16, SPLIT, True)
 
 
-MOMENT_DTYPES = (torch.float32, torch.bfloat16)  # what the kernel stores m and v in
 MASTER_DTYPES = (torch.float32, torch.int16)     # the masters: float32 w, or the split format's int16 low halves
 
 
@@ -220,7 +219,7 @@ class AdamWLaunch:
         lists = (masters, grads, exp_avgs, exp_avg_sqs, params)
         if len({len(x) for x in lists}) != 1:
             raise ValueError(f"master_adamw_step_: the five lists must have one length, got {[len(x) for x in lists]}")
-        moment_dtype = exp_avgs[0].dtype if exp_avgs and exp_avgs[0].dtype in MOMENT_DTYPES else torch.float32
+        moment_dtype = exp_avgs[0].dtype if exp_avgs and exp_avgs[0].dtype in DTYPES else torch.float32
         master_dtype = masters[0].dtype if masters and masters[0].dtype in MASTER_DTYPES else torch.float32
         roles = _roles(master_dtype, moment_dtype)
         shapes = [w.shape for w in masters]

@@ -44,13 +44,12 @@ import torch
 import triton
 import triton.language as tl
 
-from k3lab.kernels.rounding import _rounded
+from k3lab.kernels.rounding import DTYPES, bf16_round_if
 
 Tensor = torch.Tensor
 MAX_SOURCES = 8  # pointer arguments of the kernels
 MAX_FAST_WIDTH = 2048  # widest D whose [S, D] row tile (S <= 8) stays in registers; timed on the H200 at D = 1024.
                        # Wider rows are computed correctly but spill: the residual stream then keeps the torch mix
-DTYPES = (torch.bfloat16, torch.float32)
 
 
 @triton.jit
@@ -74,7 +73,7 @@ def _mix(V, s, q, e1, e2, S: tl.constexpr, D: tl.constexpr, BF16: tl.constexpr, 
     z = tl.where(s < S, r * qv, float("-inf"))
     e = tl.exp(z - tl.max(z, 0))
     p = e / tl.sum(e, 0)                                    # [BLOCK_S], 0 past S
-    h = _rounded(tl.sum(p[:, None] * V, 0), BF16).to(tl.float32)  # [BLOCK_D]
+    h = bf16_round_if(tl.sum(p[:, None] * V, 0), BF16).to(tl.float32)  # [BLOCK_D]
     rho = 1.0
     if HAS_POST:
         rho = tl.rsqrt(tl.sum(h * h, 0) / D + e2)
@@ -96,7 +95,7 @@ def attn_res_fwd_kernel(v0, v1, v2, v3, v4, v5, v6, v7, q_ptr, g2_ptr, out_ptr, 
     if HAS_POST:
         g2 = tl.load(g2_ptr + d, mask=d_ok, other=0.0).to(tl.float32)
     r, qv, p, h, rho = _mix(V, s, q, e1, e2, S, D, BF16, HAS_POST)
-    tl.store(out_ptr + offs, _rounded(h * rho * g2, BF16), mask=d_ok)
+    tl.store(out_ptr + offs, bf16_round_if(h * rho * g2, BF16), mask=d_ok)
 
 
 @triton.jit
@@ -129,7 +128,7 @@ def attn_res_bwd_kernel(v0, v1, v2, v3, v4, v5, v6, v7, g0, g1, g2_, g3, g4, g5,
         dp = tl.sum(V * dh[None, :], 1)                     # [BLOCK_S]
         dz = p * (dp - tl.sum(p * dp, 0))
         dV = p[:, None] * dh[None, :] + dz[:, None] * (r[:, None] * q[None, :] - (r * r * r * qv / D)[:, None] * V)
-        tl.store(dst + start, _rounded(dV, BF16), mask=mask)
+        tl.store(dst + start, bf16_round_if(dV, BF16), mask=mask)
         dq += tl.sum((dz * r)[:, None] * V, 0)
     tl.store(dq_part + pid * D + d, dq, mask=d_ok)
     if HAS_POST:

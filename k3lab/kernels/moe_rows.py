@@ -30,10 +30,9 @@ import torch
 import triton
 import triton.language as tl
 
-from k3lab.kernels.rounding import _rounded
+from k3lab.kernels.rounding import DTYPES, bf16_round_if
 
 Tensor = torch.Tensor
-DTYPES = (torch.bfloat16, torch.float32)  # of the rows
 BLOCK_N = 16  # tokens a program
 
 
@@ -49,7 +48,7 @@ def _gather_sum_kernel(G, INV, OUT, N, L, TOP_K: tl.constexpr, BLOCK_N: tl.const
     for j in tl.static_range(TOP_K):
         src = tl.load(INV + rows * TOP_K + j, mask=row_ok, other=0)                # [BLOCK_N] sorted row
         acc += tl.load(G + src[:, None] * L + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    tl.store(OUT + rows[:, None] * L + cols[None, :], _rounded(acc, BF16), mask=mask)
+    tl.store(OUT + rows[:, None] * L + cols[None, :], bf16_round_if(acc, BF16), mask=mask)
 
 
 @triton.jit
@@ -87,7 +86,7 @@ def _combine_bwd_kernel(Y, INV, P, DU, DY, DP, N, L, TOP_K: tl.constexpr, BLOCK_
             offs = src[:, None] * L + cols[None, :]
             y = tl.load(Y + offs, mask=mask, other=0.0).to(tl.float32)
             dp += tl.where(slots[None, :] == j, tl.sum(y * du, 1)[:, None], 0.0)
-            tl.store(DY + offs, _rounded(p[:, None] * du, BF16), mask=mask)
+            tl.store(DY + offs, bf16_round_if(p[:, None] * du, BF16), mask=mask)
     tl.store(DP + rows[:, None] * TOP_K + slots[None, :], dp, mask=row_ok[:, None] & (slots < TOP_K)[None, :])
 
 

@@ -2,12 +2,15 @@
 on the GPU and also under ``TRITON_INTERPRET=1`` (whose own float32 -> bf16 conversion truncates). Shared by the
 fused AdamW, the AttnRes mix and the MoE row kernels."""
 
+import torch
 import triton
 import triton.language as tl
 
+DTYPES = (torch.bfloat16, torch.float32)  # what the kernels read and write: bf16 (rounded as below) or float32
+
 
 @triton.jit
-def _bf16_round_nearest_even(x):
+def bf16_round_nearest_even(x):
     """float32 -> bf16, round to nearest even (as ``Tensor.to(torch.bfloat16)``), in integer ops: the same
     bits as the hardware conversion, and also under TRITON_INTERPRET=1 (whose own conversion truncates)."""
     bits = x.to(tl.uint32, bitcast=True)
@@ -17,9 +20,9 @@ def _bf16_round_nearest_even(x):
 
 
 @triton.jit
-def _rounded(x, BF16: tl.constexpr):
+def bf16_round_if(x, BF16: tl.constexpr):
     """float32 ``x`` rounded to nearest even bf16 when ``BF16`` (a bf16 output), else ``x`` as it is."""
     if BF16:
-        return _bf16_round_nearest_even(x)
+        return bf16_round_nearest_even(x)
     else:
         return x

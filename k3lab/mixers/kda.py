@@ -24,13 +24,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from k3lab.backend import resolve_backend
-from k3lab.config import KDA_GATE_LOWER_BOUND
+from k3lab.config import KDA_GATE_LOWER_BOUND, KDA_GATES
 from k3lab.mixers.chunk import kda_chunk
 from k3lab.mixers.lineage import kda_recurrent
 
 Tensor = torch.Tensor
 
-GATE_KINDS = ("k3", "kimi_linear")
 L2NORM_EPS = 1e-6  # fla l2norm_fwd and the fused recurrent kernel (docs/k3_reference.md §2.1)
 
 
@@ -60,8 +59,8 @@ def kda_gate(z: Tensor, A_log: Tensor, dt_bias: Tensor, kind: str = "k3",
     Computed and returned in float32 (float64 when ``z`` is float64), like fla's ``naive_kda_gate``
     and ``naive_kda_lowerbound_gate``.
     """
-    if kind not in GATE_KINDS:
-        raise ValueError(f"kind={kind!r}: allowed values are {GATE_KINDS}")
+    if kind not in KDA_GATES:
+        raise ValueError(f"kind={kind!r}: allowed values are {KDA_GATES}")
     H, K = z.shape[-2:]
     if A_log.shape != (H,):
         raise ValueError(f"A_log must be [H] = ({H},), got {tuple(A_log.shape)}")
@@ -193,7 +192,7 @@ class KDA(nn.Module):
 
     def __init__(self, cfg, layer_idx: int):
         super().__init__()
-        lac = cfg.linear_attn_config  # validated by ModelConfig: kda_gate in GATE_KINDS, gate_lower_bound < 0
+        lac = cfg.linear_attn_config  # validated by ModelConfig: kda_gate in KDA_GATES, gate_lower_bound < 0
         self.cfg = cfg
         self.layer_idx = layer_idx
         self.gate_kind = cfg.kda_gate
@@ -249,7 +248,7 @@ class KDA(nn.Module):
         beta = torch.sigmoid(self.b_proj(x).to(cdt))  # [B, T, H]
         z = self.f_b_proj(self.f_a_proj(x)).view(B, T, H, K)
         g = kda_gate(z, self.A_log, self.dt_bias, self.gate_kind, self.lower_bound)  # [B, T, H, K]
-        mix = self._mix if self.cp is None else lambda *a: self.cp.kda_mix(self, *a)  # KCP: affine chain
+        mix = self.mix if self.cp is None else lambda *a: self.cp.kda_mix(self, *a)  # KCP: affine chain
         o, state = mix(q, k, v, g, beta, past[0])  # [B, T, H, V], [B, H, K, V]
         o = F.rms_norm(o.to(cdt), (V,), self.o_norm.weight.to(cdt), self.o_norm.eps)
         o = torch.sigmoid(self.g_proj(x).to(cdt)).view(B, T, H, V) * o
@@ -261,7 +260,7 @@ class KDA(nn.Module):
         """True when every ``g ≥ -5``: the K3 gate with a bound fla's ``safe_gate`` and our kernels accept."""
         return self.gate_kind == "k3" and self.lower_bound >= KDA_GATE_LOWER_BOUND
 
-    def _mix(self, q, k, v, g, beta, initial_state):
+    def mix(self, q, k, v, g, beta, initial_state):
         """Run the delta-rule recurrence on the chosen backend; returns ``(o [B, T, H, V], state [B, H, K, V])``."""
         backend = resolve_backend(self.cfg.backend, q.device)
         decode = q.shape[1] == 1

@@ -35,9 +35,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from k3lab.backend import BACKENDS, resolve_backend
+from k3lab.backend import resolve_backend
+from k3lab.config import BACKENDS, HIDDEN_ACTS
 from k3lab.moe.router import SigmoidRouter, expert_load, make_balancer
-from k3lab.moe.situ import ACTIVATIONS, SiTUMLP, glu_activation, glu_down
+from k3lab.moe.situ import SiTUMLP, glu_activation, glu_down
 
 EXPERT_IMPLS = ("auto", "reference", "padded", "grouped")
 ExpertWeights = tuple[Tensor, Tensor, Tensor]  # (w1 [G, I, L], w3 [G, I, L], w2 [G, L, I])
@@ -174,8 +175,8 @@ class RoutedExperts(nn.Module):
     def __init__(self, num_experts: int, hidden: int, intermediate: int, act: str = "situ", beta: float = 4.0,
                  linear_beta: float = 25.0, init_std: float = 0.02, impl: str = "auto"):
         super().__init__()
-        if act not in ACTIVATIONS:
-            raise ValueError(f"act={act!r}: allowed values are {ACTIVATIONS}")
+        if act not in HIDDEN_ACTS:
+            raise ValueError(f"act={act!r}: allowed values are {HIDDEN_ACTS}")
         if impl not in EXPERT_IMPLS:
             raise ValueError(f"impl={impl!r}: allowed values are {EXPERT_IMPLS}")
         self.act, self.beta, self.linear_beta, self.impl = act, beta, linear_beta, impl

@@ -248,7 +248,9 @@ class QuantileBalancer(Balancer):
             self.margins.append(r)
             return None
         lo, w = self.bin_range()
-        bins = ((r - lo) / w).floor().clamp_(0, self.num_bins - 1).long()      # [N, E]
+        # non-finite scores (diverged weights) land in bin 0: the step's loss is non-finite too, and the
+        # training loop stops before the update (an out-of-range index would crash it here first)
+        bins = ((r - lo) / w).nan_to_num_(0.0).floor().clamp_(0, self.num_bins - 1).long()  # [N, E]
         self.counts.scatter_add_(1, bins.T.contiguous(), torch.ones_like(bins.T))
         return None
 

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-ACTIVATIONS = ("situ", "swiglu")
+from k3lab.config import HIDDEN_ACTS
 
 
 def _compute_dtype(x: Tensor) -> torch.dtype:
@@ -219,8 +219,8 @@ def glu_down(gate: Tensor, up: Tensor, weight: Tensor, offs: Tensor | None = Non
     Dense: gate, up ``[..., I]``, weight ``[D, I]`` -> ``[..., D]``. Grouped (routed experts): gate, up
     ``[S, I]`` sorted by expert, weight ``[G, L, I]``, offs ``[G]`` int32 group ends -> ``[S, L]``.
     Equal to ``glu_activation(gate, up, act, ...)`` followed by the matmul."""
-    if act not in ACTIVATIONS:
-        raise ValueError(f"act={act!r}: allowed values are {ACTIVATIONS}")
+    if act not in HIDDEN_ACTS:
+        raise ValueError(f"act={act!r}: allowed values are {HIDDEN_ACTS}")
     _check_pair(gate, up)
     betas = (float(beta), float(linear_beta)) if act == "situ" else ()
     if torch.compiler.is_compiling():
@@ -269,7 +269,7 @@ def glu_activation(gate: Tensor, up: Tensor, act: str = "situ", beta: float = 4.
         return (situ_glu if fused else situ_glu_reference)(gate, up, beta, linear_beta)
     if act == "swiglu":
         return (swiglu if fused else swiglu_reference)(gate, up)
-    raise ValueError(f"act={act!r}: allowed values are {ACTIVATIONS}")
+    raise ValueError(f"act={act!r}: allowed values are {HIDDEN_ACTS}")
 
 
 class SiTUMLP(nn.Module):
@@ -282,8 +282,8 @@ class SiTUMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, beta: float = 4.0, linear_beta: float = 25.0,
                  act: str = "situ"):
         super().__init__()
-        if act not in ACTIVATIONS:
-            raise ValueError(f"act={act!r}: allowed values are {ACTIVATIONS}")
+        if act not in HIDDEN_ACTS:
+            raise ValueError(f"act={act!r}: allowed values are {HIDDEN_ACTS}")
         self.act, self.beta, self.linear_beta = act, beta, linear_beta
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)

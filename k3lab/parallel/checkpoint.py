@@ -58,6 +58,15 @@ leaves the optimizer without state. Loading builds the fresh optimizer's state f
 zero step), which needs its parameters to hold no gradients. Optimizer state the saved run had not
 built (a parameter that never got a gradient) stays absent after the load, as it was.
 
+Loading checks, before the model changes (ValueError naming the file and the field): every file the
+load opens (state.json, ``.metadata``, the rank's RNG file, and each data file the index names in its
+storage entries) must resolve, symlinks followed, inside the checkpoint folder
+(:func:`k3lab.checkpoint.file_inside`: a tampered index cannot point DCP at ``../../x.distcp`` or an
+absolute path); state.json's ``step`` and ``extra``'s ``step`` / ``history`` must be sane
+(:func:`k3lab.checkpoint.check_state_fields`); the saved model config must equal the model's
+(:func:`k3lab.checkpoint.check_model_config`); the checkpoint must hold every tensor this model and
+optimizer need (a parameter's optimizer state may be absent only as a whole).
+
 RNG: at the saved world size each rank gets its own states back (``"rng_restored": True``); at
 another world size the ranks cannot be matched, nothing is restored, and the returned dict says so
 (``"rng_restored": False`` and a ``"warnings"`` entry).
@@ -86,7 +95,8 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict, set_state_dict)
 from torch.distributed.tensor import DTensor
 
-from k3lab.checkpoint import (LATEST, _json_value, _plain_config, _prune, _rng_state, _set_rng_state, read_latest,
+from k3lab.checkpoint import (LATEST, json_value, plain_config, prune_checkpoints, rng_state, set_rng_state,
+                              check_model_config, check_state_fields, file_inside, read_latest, read_state,
                               write_latest)
 
 FORMAT = "k3lab-dcp-checkpoint-v1"
@@ -158,7 +168,7 @@ def _split(obj, path: tuple[str, ...], tensors: dict):
         return {"__tuple__": [_split(v, (*path, str(i)), tensors) for i, v in enumerate(obj)]}
     if isinstance(obj, list):
         return [_split(v, (*path, str(i)), tensors) for i, v in enumerate(obj)]
-    return _json_value(obj, where)
+    return json_value(obj, where)
 
 
 def _join(obj, tensors: dict):
@@ -256,16 +266,33 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def _read_metadata(path: Path):
-    """DCP's Metadata from ``path/.metadata``, unpickled with the allow-list."""
-    file = path / METADATA
+    """DCP's Metadata from ``path/.metadata``, unpickled with the allow-list; every data file its
+    storage entries name must lie inside ``path`` (:func:`_check_storage_paths`)."""
+    file = file_inside(path, METADATA)
     if not file.is_file():
         raise FileNotFoundError(f"{file}: missing (not a DCP checkpoint?)")
     try:
-        return _MetadataUnpickler(file.read_bytes(), file).load()
+        metadata = _MetadataUnpickler(file.read_bytes(), file).load()
     except ValueError:
         raise
     except Exception as err:  # truncated or garbage
         raise ValueError(f"{file}: not a readable DCP index ({type(err).__name__}: {err})") from None
+    _check_storage_paths(metadata, path, file)
+    return metadata
+
+
+def _check_storage_paths(metadata, path: Path, file: Path) -> None:
+    """DCP's FileSystemReader opens ``path / relative_path`` for each storage entry: a tampered index
+    saying ``../../elsewhere/x.distcp`` or an absolute path (or a data file that is a symlink out)
+    would make it read from outside the checkpoint. Refuse any such path, naming it, before DCP reads."""
+    storage = getattr(metadata, "storage_data", None)
+    if not isinstance(storage, dict):
+        raise ValueError(f"{file}: storage_data={type(storage).__name__}: not a DCP index (expected a dict)")
+    names = {getattr(info, "relative_path", None) for info in storage.values()}
+    for name in sorted(names, key=repr):
+        if not isinstance(name, (str, os.PathLike)):
+            raise ValueError(f"{file}: storage path {name!r}: must be a file name inside the checkpoint folder")
+        file_inside(path, name, source=file)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -279,7 +306,7 @@ def _write_json(file: Path, data) -> None:
 
 
 def _rng_json(rank: int, world: int) -> dict:
-    tensors, plain = _rng_state()
+    tensors, plain = rng_state()
     return dict(rank=rank, world_size=world, **{k: v.tolist() for k, v in tensors.items()}, **plain)
 
 
@@ -325,8 +352,8 @@ def save_distributed(run_dir, step: int, model: nn.Module, optimizer: torch.opti
         structure = {"model": _split(msd, ("model",), tensors),
                      "optim": None if osd is None else _split(osd, ("optim",), tensors),
                      "optim_unstepped": unstepped}
-        state = dict(format=FORMAT, step=step, world_size=world, extra=_json_value(extra, "extra"),
-                     model_config=_plain_config(getattr(model, "config", None)), structure=structure)
+        state = dict(format=FORMAT, step=step, world_size=world, extra=json_value(extra, "extra"),
+                     model_config=plain_config(getattr(model, "config", None)), structure=structure)
         state_text = json.dumps(state)
     except Exception as err:  # noqa: BLE001 (re-raised on this rank by _all_ok)
         error = err
@@ -363,7 +390,7 @@ def save_distributed(run_dir, step: int, model: nn.Module, optimizer: torch.opti
                 shutil.rmtree(final)
             os.replace(tmp, final)
             write_latest(run_dir, final)
-            _prune(run_dir, final, keep)
+            prune_checkpoints(run_dir, final, keep)
             for stale in run_dir.glob(".tmp-ckpt-*"):  # crashed saves' leftovers
                 if stale.is_dir() and _TMP_RE.match(stale.name):
                     shutil.rmtree(stale, ignore_errors=True)
@@ -402,10 +429,12 @@ def load_distributed(path, model: nn.Module, optimizer: torch.optim.Optimizer | 
     ``rng_restored`` and, when something could not be restored, ``warnings`` (a list of strings).
     """
     path = resolve_distributed_checkpoint(path)
-    state_file = path / "state.json"
-    state = json.loads(state_file.read_text())
-    if state.get("format") != FORMAT:
-        raise ValueError(f"{state_file}: format {state.get('format')!r} is not {FORMAT!r}")
+    state_file = file_inside(path, "state.json")
+    state = read_state(state_file, FORMAT)
+    if not isinstance(state.get("extra"), dict):
+        raise ValueError(f"{state_file}: extra={state.get('extra')!r}: must be a JSON object (the caller's data)")
+    check_state_fields(state["extra"], state_file, prefix="extra.", need_step=False)
+    check_model_config(state.get("model_config"), model, state_file)
     structure = state["structure"]
     if optimizer is not None and structure.get("optim") is None:
         if not structure.get("optim_unstepped"):
@@ -413,6 +442,7 @@ def load_distributed(path, model: nn.Module, optimizer: torch.optim.Optimizer | 
         optimizer.state.clear()  # saved before the optimizer's first step: no state, as then
         optimizer = None
     rank, world = _rank_world(group)
+    rng_file = file_inside(path, f"rng-rank{rank}.json") if state["world_size"] == world else None
 
     msd, osd = _states(model, optimizer)  # this run's layout (an empty optimizer gets its state built)
     targets: dict = {}
@@ -422,8 +452,11 @@ def load_distributed(path, model: nn.Module, optimizer: torch.optim.Optimizer | 
         _split(osd, ("optim",), targets)
         saved |= _tensor_keys(structure["optim"])
     # this run may hold optimizer state the saved run had not built yet (a parameter that got no
-    # gradient before the save): it is not loaded, and set_state_dict drops it, as saved
-    missing = sorted(k for k in set(targets) - saved if not k.startswith("optim/state/"))
+    # gradient before the save): it is not loaded, and set_state_dict drops it, as saved. Only a
+    # parameter's whole state may be absent: one tensor of it missing would fail at the next step
+    saved_fqns = set((structure.get("optim") or {}).get("state") or {})
+    missing = sorted(k for k in set(targets) - saved
+                     if not (k.startswith("optim/state/") and k.split("/")[2] not in saved_fqns))
     unexpected = sorted(saved - set(targets))
     targets = {k: v for k, v in targets.items() if k in saved}
     if missing or unexpected:
@@ -454,13 +487,12 @@ def load_distributed(path, model: nn.Module, optimizer: torch.optim.Optimizer | 
     out = dict(state["extra"])
     out.setdefault("step", state["step"])
     out.update(path=str(path), world_size_saved=state["world_size"])
-    if state["world_size"] == world:
-        rng_file = path / f"rng-rank{rank}.json"
+    if rng_file is not None:  # the saved world size: this rank's own RNG states
         rng = json.loads(rng_file.read_text())
         if rng.get("rank") != rank:
             raise ValueError(f"{rng_file}: rank {rng.get('rank')!r}, expected {rank}")
         tensors = {k: torch.tensor(rng[k], dtype=torch.uint8) for k in ("torch_cpu", "torch_cuda") if k in rng}
-        _set_rng_state(tensors, rng)
+        set_rng_state(tensors, rng)
         out["rng_restored"] = True
     else:
         out["rng_restored"] = False

@@ -33,7 +33,7 @@ float32: O(K(V+K)) numbers a head, whatever T), and every rank folds the prefix 
 
 and corrects its outputs, ``o_t = o⁰_t + r_tᵀ S_in(p)``. Cost: the mixer on V+K value columns
 (2× the value work for K = V) plus at most P−1 products ``[K, K]·[K, V]`` a head. The mixer is the
-layer's own ``KDA._mix``, so the backend switch (torch ``kda_chunk``, Triton, fla) still applies.
+layer's own ``KDA.mix``, so the backend switch (torch ``kda_chunk``, Triton, fla) still applies.
 
 **KDA short-conv halo.** The causal depthwise convs of q, k, v read the ``W_c − 1`` projected
 inputs before a part: the previous part's last rows (zeros for part 0), all-gathered once for
@@ -75,7 +75,7 @@ ProcessGroup = dist.ProcessGroup
 
 CP_LAYOUTS = ("contiguous", "zigzag")
 
-# mix(q, k, v, g, beta, initial_state) -> (o [B, T, H, V'], final_state [B, H, K, V']), e.g. KDA._mix
+# mix(q, k, v, g, beta, initial_state) -> (o [B, T, H, V'], final_state [B, H, K, V']), e.g. KDA.mix
 MixFn = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
 
 
@@ -193,10 +193,10 @@ class CPContext:
 
     def kda_mix(self, layer, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
                 initial_state: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """:func:`kcp_mix` through ``layer._mix`` (the layer's backend). ``initial_state`` must be None."""
+        """:func:`kcp_mix` through ``layer.mix`` (the layer's backend). ``initial_state`` must be None."""
         if initial_state is not None:
             raise ValueError("initial_state: must be None under context parallelism (layer.cp is set)")
-        return kcp_mix(q, k, v, g, beta, self, mix=layer._mix)
+        return kcp_mix(q, k, v, g, beta, self, mix=layer.mix)
 
     def fold(self, gathered: Tensor, V: int) -> list[Tensor | None]:
         """Incoming states of the local parts from the gathered ``[W, n, B, H, K, V+K]`` part maps.
@@ -286,7 +286,7 @@ def kcp_mix(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, ctx: CPCon
 
     q, k, g: ``[B, T_local, H, K]``, v: ``[B, T_local, H, V]``, beta: ``[B, T_local, H]`` — this rank's
     tokens in ``ctx.layout``. ``mix(q, k, v, g, beta, initial_state) -> (o, final_state)`` runs the
-    delta rule (default: ``kda_chunk`` with ``scale``; ``KDA._mix`` carries its own scale). The local
+    delta rule (default: ``kda_chunk`` with ``scale``; ``KDA.mix`` carries its own scale). The local
     parts run in one call, stacked along the batch::
 
         [o⁰ | r], [S̃ | M] = mix(q, k, [v | 0_K], g, beta, [0 | I_K])

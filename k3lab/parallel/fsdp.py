@@ -84,25 +84,24 @@ def sum_expert_grads_(expert_params: list[nn.Parameter], group) -> None:
 
 @torch.no_grad()
 def clip_grad_norm_(params: list[nn.Parameter], max_norm: float, expert_params: set[nn.Parameter],
-                    replicas: int, group) -> float:
-    """Global gradient 2-norm over FSDP shards and EP slices; scale every gradient by
+                    replicas: int, group) -> torch.Tensor:
+    """Global gradient 2-norm over FSDP shards and EP slices (a 0-d float64 tensor on the gradients' device,
+    not read back: the caller's one host sync reads it); scale every gradient by
     ``min(1, max_norm/(norm + 1e-6))`` (torch's rule). An FSDP shard counts once over all ranks; an
     expert slice is held by ``replicas`` ranks, so its square is divided by that."""
-    total = torch.zeros((), dtype=torch.float64)
-    for p in params:
-        if p.grad is None:
-            continue
-        g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-        sq = g.double().pow(2).sum().cpu()
-        total += sq / replicas if p in expert_params else sq
+    grads = [(p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad, p in expert_params)
+             for p in params if p.grad is not None]
+    device = grads[0][0].device if grads else torch.device("cpu")
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for g, expert in grads:
+        sq = g.double().pow(2).sum()
+        total += sq / replicas if expert else sq
     if group is not None:
-        total = total.to(params[0].device if params[0].device.type == "cuda" else "cpu")
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
-    norm = float(total.sqrt())
-    if math.isfinite(norm) and max_norm and max_norm < math.inf:
-        coef = min(1.0, max_norm / (norm + 1e-6))
-        if coef < 1.0:
-            for p in params:
-                if p.grad is not None:
-                    p.grad.mul_(coef)
+    norm = total.sqrt()
+    if grads and max_norm and max_norm < math.inf:
+        # no clip when the norm is not finite: the caller stops the run before the update
+        coef = torch.where(norm.isfinite(), (max_norm / (norm + 1e-6)).clamp(max=1.0), torch.ones_like(norm))
+        for g, _ in grads:
+            g.mul_(coef.to(g.dtype))
     return norm

@@ -1,11 +1,16 @@
-"""One function that turns a one-process K3 model into this rank's part of a parallel run.
+"""The parallel plan: how a run is split (:class:`ParallelOptions`), the one function that turns a
+one-process K3 model into this rank's part of it (:func:`parallelize`), and this rank's share of each
+global batch (:func:`local_batch`). :func:`k3lab.train.fit` applies it; there is no other loop.
 
-The order is fixed (each step needs the previous one's layout, torchtitan's order too)::
+The order is fixed (each step needs the previous one's layout; torchtitan's order too)::
 
-    EP    slice each MoE's experts to this rank's home experts, install the EP/MoonEP dispatcher
-    CP    hand every KDA and MLA layer the context-parallel context (KCP; latent all-gather)
-    AC    activation checkpointing per sublayer (optional)
-    FSDP  fully_shard each sublayer and the root on the flat dp_shard·cp mesh (fsdp.py)
+    EP         slice each MoE's experts to this rank's home experts, install the EP/MoonEP dispatcher
+    CP         hand every KDA and MLA layer the context-parallel context (KCP; latent all-gather)
+    recompute  TrainConfig.recompute (k3lab.memory): what a step keeps for backward
+    compile    TrainConfig.compile (k3lab.compile): each mixer and MLP compiled, before sharding
+    FSDP       fully_shard each sublayer and the root on the flat dp_shard·cp mesh (fsdp.py), with
+               FSDP2's MixedPrecisionPolicy for TrainConfig.param_dtype="bfloat16" (bf16 compute,
+               the fp32 sharded parameters as the masters, fp32 gradient reduction)
 
 plus the per-step glue a parallel run needs: the balancers' statistics all-reduced over all ranks
 (so every rank moves the router bias exactly as one process would), QK-Clip's max logits
@@ -19,17 +24,80 @@ already materialised (tests) is moved to the device instead.
 from __future__ import annotations
 
 import functools
+import math
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from k3lab.memory import checkpoint_module, checkpoint_targets
+from k3lab.compile import compile_model
+from k3lab.memory import apply_recompute
 from k3lab.mixers.kda import KDA
 from k3lab.mixers.mla import GatedMLA
+from k3lab.model import IGNORE_INDEX, LossShard
 from k3lab.moe.latent import LatentMoE, RoutedExperts
-from k3lab.parallel.dims import ParallelGroups
+from k3lab.parallel.context import CP_LAYOUTS
+from k3lab.parallel.dims import DEFAULT_TIMEOUT_S, ParallelDims, ParallelGroups
+from k3lab.parallel.expert import EP_KINDS
 from k3lab.parallel.fsdp import apply_fsdp
+
+
+@dataclass
+class ParallelOptions:
+    """How a run is split over the ranks (the mesh); every training switch is :class:`k3lab.train.TrainConfig`'s.
+    Validated on construction (ValueError names the field); the degrees again against the world size by
+    :class:`~k3lab.parallel.dims.ParallelDims`."""
+
+    dp_shard: int = -1                 # data-parallel (FSDP2) degree; -1 = world_size / cp
+    cp: int = 1                        # context-parallel degree (KCP for KDA, latent all-gather for MLA)
+    ep: int = 1                        # expert-parallel degree (borrows the dp_shard·cp ranks)
+    ep_kind: str = "moonep"            # EP_KINDS: "moonep" (balanced replicas) | "ep" (plain home experts)
+    cp_layout: str = "contiguous"      # CP_LAYOUTS: how a sequence is cut over the CP ranks
+    timeout: float = DEFAULT_TIMEOUT_S  # seconds every process group waits before it fails the run
+
+    CHOICES = {"ep_kind": EP_KINDS, "cp_layout": CP_LAYOUTS}
+
+    def __post_init__(self):
+        def need(ok: bool, name: str, rule: str):
+            if not ok:
+                raise ValueError(f"ParallelOptions.{name}={getattr(self, name)!r}: {rule}")
+
+        for name in ("cp", "ep"):
+            need(type(getattr(self, name)) is int and getattr(self, name) >= 1, name, "must be an int >= 1")
+        need(type(self.dp_shard) is int and (self.dp_shard >= 1 or self.dp_shard == -1), "dp_shard",
+             "must be an int >= 1, or -1 for world_size / cp")
+        for name, allowed in self.CHOICES.items():
+            need(getattr(self, name) in allowed, name, f"allowed values are {allowed}")
+        need(isinstance(self.timeout, (int, float)) and not isinstance(self.timeout, bool)
+             and math.isfinite(self.timeout) and self.timeout > 0, "timeout", "must be a finite number of seconds > 0")
+
+
+def local_batch(x: torch.Tensor, y: torch.Tensor, dims: ParallelDims, rank: int, lm_tokens: int,
+                mtp_tokens: int, cp_layout: str = "contiguous") -> tuple[torch.Tensor, torch.Tensor, LossShard]:
+    """This rank's rows and sequence part(s) of the global batch ``[B, T]``, and its LossShard.
+
+    Under context parallelism the shard also carries, for each local position, the global batch's
+    next token and next label (MTP); the last position of the sequence gets a pad labelled -100."""
+    at = dims.coords(rank)
+    B, T = x.shape
+    rows = slice(at["dp_shard"] * B // dims.dp_shard, (at["dp_shard"] + 1) * B // dims.dp_shard)
+    x, y = x[rows], y[rows]
+    if dims.cp == 1:
+        return x, y, LossShard(lm_tokens, mtp_tokens, dims.world_size)
+    from k3lab.parallel.context import CPContext
+
+    pos = CPContext(group=None, rank=at["cp"], world=dims.cp, layout=cp_layout).positions(T // dims.cp)  # [T_local]
+    ahead = (pos + 1).clamp_max(T - 1)
+    last = (pos == T - 1)[None, :]                                                                      # [1, T_local]
+    mtp_x = x[:, ahead].masked_fill(last, 0)
+    mtp_y = y[:, ahead].masked_fill(last, IGNORE_INDEX)
+    return x[:, pos], y[:, pos], LossShard(lm_tokens, mtp_tokens, dims.world_size, mtp_x, mtp_y)
+
+
+def global_label_counts(y: torch.Tensor) -> tuple[int, int]:
+    """Valid labels of a global batch ``[B, T]`` for the main loss and for the MTP loss (one ahead)."""
+    return int((y != IGNORE_INDEX).sum()), int((y[:, 1:] != IGNORE_INDEX).sum())
 
 
 def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
@@ -38,12 +106,14 @@ def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
 
 
 def parallelize(model: nn.Module, groups: ParallelGroups, device: torch.device, *, ep_kind: str = "moonep",
-                cp_layout: str = "contiguous", activation_checkpointing: bool = False,
-                param_dtype: torch.dtype | None = None) -> tuple[nn.Module, set[nn.Parameter]]:
-    """EP -> CP -> AC -> FSDP on ``model`` (in place); returns ``(model, EP expert parameters)``
-    (a meta model's ``to_empty`` replaces those Parameter objects: collect them again after it).
+                cp_layout: str = "contiguous", recompute: str = "none", recompute_layers: int | None = None,
+                compile: str = "none", param_dtype: torch.dtype | None = None) -> tuple[nn.Module, set[nn.Parameter]]:
+    """EP -> CP -> recompute -> compile -> FSDP on ``model`` (in place); returns ``(model, EP expert
+    parameters)`` (a meta model's ``to_empty`` replaces those Parameter objects: collect them again after it).
+    ``recompute``/``recompute_layers``/``compile`` as in :class:`k3lab.train.TrainConfig`; ``param_dtype``:
+    FSDP2's compute dtype (bf16 with fp32 masters and fp32 gradient reduction; None: the parameters' own).
 
-    World size 1 without a process group: the model is only moved (and checkpointed if asked)."""
+    World size 1 without a process group: the model is only moved (recompute and compile applied)."""
     dims = groups.dims
     experts: set[nn.Parameter] = set()
     if dims.ep > 1:
@@ -58,9 +128,8 @@ def parallelize(model: nn.Module, groups: ParallelGroups, device: torch.device, 
         for m in model.modules():
             if isinstance(m, (KDA, GatedMLA)):
                 m.cp = ctx
-    if activation_checkpointing:
-        for m in checkpoint_targets(model):
-            checkpoint_module(m)
+    apply_recompute(model, recompute, recompute_layers)  # before compiling: the checkpoint wrappers are traced too
+    compile_model(model, compile)  # per sublayer, before fully_shard (torchtitan's order): FSDP's hooks stay eager
     if not next(model.parameters()).is_meta:  # a meta model is allocated after sharding (materialize.py)
         model.to(device)
     if groups.world is not None:
@@ -87,3 +156,24 @@ def reduce_max_logits_(model: nn.Module, group) -> None:
     for m in model.modules():
         if isinstance(m, GatedMLA) and m.track_max_logit:
             dist.all_reduce(m.max_logit, op=dist.ReduceOp.MAX, group=group)
+
+
+def expert_layout(model: nn.Module, experts: set, groups: ParallelGroups) -> dict | None:
+    """EP expert slices as DCP must see them: ``Shard(0)`` (experts) over "ep", replicated over "edp"."""
+    if not experts:
+        return None
+    from torch.distributed.tensor import Replicate, Shard
+
+    return {name: (groups.expert_mesh, [Replicate(), Shard(0)]) for name, p in model.named_parameters()
+            if p in experts}
+
+
+FAULT_ENV = "K3LAB_FAULT_RANK_STEP"  # "R:S": rank R exits at step S (tests of the no-hang guarantee)
+
+
+def maybe_inject_fault(rank: int, step: int) -> None:
+    """Exit this process (code 17) when :data:`FAULT_ENV` names this rank and step: a dead rank, for tests."""
+    import os
+
+    if os.environ.get(FAULT_ENV) == f"{rank}:{step}":
+        os._exit(17)

@@ -1,0 +1,138 @@
+"""Command-line flags generated from the config dataclasses: a new field is a new flag everywhere.
+
+    parser = argparse.ArgumentParser()
+    add_dataclass_flags(parser, TrainConfig, skip=("progress", "name"))
+    args = parser.parse_args()
+    with flag_errors(parser):
+        cfg = dataclass_from_flags(TrainConfig, args)   # ValueError "TrainConfig.lr=..." -> "error: --lr: ..."
+
+Each field ``name`` becomes ``--name-with-dashes``; the flag's type follows the annotation (``int``,
+``float``, ``str``, ``bool`` as ``--x`` / ``--no-x``, ``X | None`` accepts ``none``, a tuple of numbers
+takes several values, a ``dict`` takes JSON); the allowed values come from the class's ``CHOICES``
+mapping (the same tuples its ``__post_init__`` checks), the help text from the comment after the field
+in the class's source. Defaults are the dataclass's, unless the caller overrides some
+(``defaults={"steps": 3}``). Used by ``python -m k3lab.parallel.run``, ``kernels/bench_train.py`` and
+``kernels/profile_train_step.py``.
+
+Errors read as argparse's own: :func:`flag_errors` turns a ValueError from a dataclass's validation
+(``"TrainConfig.lr=inf: must be ..."``) into ``error: --lr: must be ...`` and exit status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import inspect
+import json
+import re
+import types
+import typing
+
+__all__ = ["add_dataclass_flags", "dataclass_from_flags", "flag_errors", "flag_name"]
+
+
+def flag_name(field: str) -> str:
+    """``recompute_layers`` -> ``--recompute-layers``."""
+    return "--" + field.replace("_", "-")
+
+
+def _comments(cls) -> dict[str, str]:
+    """``{field: the comment after it}`` from the class's source (its continuation lines joined)."""
+    try:
+        lines = inspect.getsource(cls).splitlines()
+    except (OSError, TypeError):
+        return {}
+    found, last = {}, None
+    for line in lines:
+        m = re.match(r"\s+(\w+): [^=]+=.*?#\s*(.*)$", line)
+        if m:
+            last = m.group(1)
+            found[last] = m.group(2).strip()
+        elif last and re.match(r"\s+#\s*(.*)$", line):
+            found[last] += " " + re.match(r"\s+#\s*(.*)$", line).group(1).strip()
+        else:
+            last = None
+    return found
+
+
+def _optional(kind):
+    """``(inner type, True)`` for ``X | None``, else ``(kind, False)``."""
+    args = typing.get_args(kind)
+    if (typing.get_origin(kind) in (typing.Union, types.UnionType)) and type(None) in args:
+        rest = [a for a in args if a is not type(None)]
+        return rest[0], True
+    return kind, False
+
+
+def _parse(inner, optional: bool, name: str):
+    def convert(text: str):
+        if optional and text.lower() == "none":
+            return None
+        if inner is dict:
+            try:
+                value = json.loads(text)
+            except json.JSONDecodeError as err:
+                raise argparse.ArgumentTypeError(f"not JSON ({err.msg})") from None
+            if not isinstance(value, dict):
+                raise argparse.ArgumentTypeError("must be a JSON object, e.g. '{\"ns_dtype\": \"float32\"}'")
+            return value
+        try:
+            return inner(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a {inner.__name__}") from None
+    convert.__name__ = name  # argparse names the type in its message
+    return convert
+
+
+def add_dataclass_flags(parser: argparse.ArgumentParser, cls, skip=(), defaults: dict | None = None,
+                        title: str | None = None) -> list[str]:
+    """Add one flag per field of dataclass ``cls`` (but those in ``skip``) to ``parser``; returns the field names."""
+    hints = typing.get_type_hints(cls)
+    helps, choices = _comments(cls), getattr(cls, "CHOICES", {})
+    group = parser.add_argument_group(title or cls.__name__)
+    names = []
+    for f in dataclasses.fields(cls):
+        if f.name in skip or not f.init:
+            continue
+        default = (defaults or {}).get(f.name, f.default if f.default is not dataclasses.MISSING
+                                       else f.default_factory())  # type: ignore[misc]
+        inner, optional = _optional(hints[f.name])
+        text = helps.get(f.name, "")
+        kw: dict = dict(dest=f.name, default=default, help=f"{text} (default: {default!r})".replace("%", "%%"))
+        if f.name in choices:
+            kw["choices"] = choices[f.name]
+        if inner is bool:
+            kw["action"] = argparse.BooleanOptionalAction
+        elif typing.get_origin(inner) is tuple:
+            kw.update(nargs=len(typing.get_args(inner)), type=_parse(typing.get_args(inner)[0], False, "number"),
+                      metavar=tuple(f"{f.name[:-1] if f.name.endswith('s') else f.name}{i + 1}"
+                                    for i in range(len(typing.get_args(inner)))))
+        else:
+            kw["type"] = _parse(inner, optional, inner.__name__)
+            kw["metavar"] = "JSON" if inner is dict else inner.__name__.upper()
+        group.add_argument(flag_name(f.name), **kw)
+        names.append(f.name)
+    return names
+
+
+def dataclass_from_flags(cls, args: argparse.Namespace, **overrides):
+    """``cls(**{field: args.field})`` for the fields the parser has (plus ``overrides``); validation is the class's."""
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
+    values.update(overrides)
+    return cls(**values)
+
+
+# "TrainConfig.lr=inf: reason" and "parallel dims: cp=3: reason" (k3lab.parallel.dims)
+_FIELD_ERROR = re.compile(r"^(?:\w+\.|parallel dims: )(\w+)=(?:[^:]*?): (.*)$", re.S)
+
+
+@contextlib.contextmanager
+def flag_errors(parser: argparse.ArgumentParser):
+    """Inside: a ValueError exits as argparse does (``usage`` + ``error: --flag: reason``, status 2), the field a
+    dataclass names turned into its flag; any other ValueError's one-line message follows ``error:``."""
+    try:
+        yield
+    except ValueError as err:
+        message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        m = _FIELD_ERROR.match(message)
+        parser.error(f"{flag_name(m.group(1))}: {m.group(2)}" if m else message)

@@ -1,0 +1,205 @@
+"""The one training loop: every switch that runs on CPU gives the same losses at 2 ranks as in one process,
+a resume honours changed settings and says so, and bad input is refused by name (config, fit, CLI)."""
+import dataclasses
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from k3lab.config import ModelConfig
+from k3lab.data import batch_iterator
+from k3lab.model import K3ForCausalLM
+from k3lab.optim import cosine_lr
+from k3lab.parallel.parallelize import ParallelOptions
+from k3lab.parallel.spawn import run_ranks
+from k3lab.train import TrainConfig, TrainingDiverged, fit
+
+STEPS = 3
+
+
+def _batches(seed=0, batch=4, seq=64):
+    ids = torch.randint(0, 4096, (20000,), generator=torch.Generator().manual_seed(seed))
+    return batch_iterator(ids, batch, seq, seed=seed)
+
+
+def _cfg(**kw):
+    return TrainConfig(**{**dict(steps=STEPS, lr=1e-2, progress=False, device="cpu"), **kw})
+
+
+# every switch of TrainConfig that runs on CPU, and the tolerance of 2 ranks against one process:
+# fp32 switches change only summation order (1e-5); bf16 weights are fp32 masters in both, but one process
+# rounds the gradients to bf16 before reducing them and FSDP2 reduces in fp32 (bf16 noise, 2e-2)
+SWITCHES = {
+    "recompute=sublayer": (dict(recompute="sublayer"), 1e-5),
+    "recompute=mixer": (dict(recompute="mixer"), 1e-5),
+    "fused_loss": (dict(fused_loss=True), 1e-5),
+    "bf16 weights, fp32 masters": (dict(dtype="bfloat16", param_dtype="bfloat16"), 2e-2),
+}
+
+
+def _switch_worker(rank, world):
+    cfg = ModelConfig.preset("tiny")
+    return {name: fit(lambda: K3ForCausalLM(cfg), _batches(), _cfg(**kw), parallel=ParallelOptions()).losses
+            for name, (kw, _) in SWITCHES.items()}
+
+
+def test_switches_at_two_ranks_equal_one_process():
+    ranks = run_ranks(_switch_worker, 2)
+    cfg = ModelConfig.preset("tiny")
+    for name, (kw, tol) in SWITCHES.items():
+        torch.manual_seed(0)
+        one = fit(K3ForCausalLM(cfg), _batches(), _cfg(**kw)).losses
+        assert ranks[0][name] == ranks[1][name], name  # every rank reports the global loss
+        for a, b in zip(ranks[0][name], one):
+            assert abs(a - b) / abs(b) < tol, (name, ranks[0][name], one)
+
+
+def test_refused_at_world_size_above_one_with_the_reason():
+    """What runs only in one process is refused at 2 ranks naming the field and why (never silently ignored)."""
+    for field, value in (("cuda_graph", True), ("moment_dtype", "bfloat16"), ("master_format", "split")):
+        kw = {field: value, **({} if field == "cuda_graph" else dict(dtype="bfloat16", param_dtype="bfloat16"))}
+        errors = run_ranks(_refusal_worker, 2, kw)
+        assert all(f"TrainConfig.{field}=" in e and "world size 2" in e for e in errors), errors
+
+
+def _refusal_worker(rank, world, kw):
+    try:
+        fit(lambda: K3ForCausalLM(ModelConfig.preset("tiny")), _batches(), _cfg(**kw), parallel=ParallelOptions())
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def test_world_size_one_plan_runs_every_switch_as_fit():
+    """parallel=ParallelOptions() without a process group is fit itself (bit for bit), with switches on."""
+    cfg = ModelConfig.preset("tiny")
+    kw = dict(recompute="sublayer", fused_loss=True, dtype="bfloat16", param_dtype="bfloat16")
+    torch.manual_seed(0)
+    ref = fit(K3ForCausalLM(cfg), _batches(), _cfg(**kw)).losses
+    got = fit(lambda: K3ForCausalLM(cfg), _batches(), _cfg(**kw), parallel=ParallelOptions())
+    assert got.losses == ref
+    assert got.info["world_size"] == 1 and got.tokens_per_s > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# resume: a changed setting is honoured and named
+# ---------------------------------------------------------------------------------------------
+def _run(tmp, stop_at=None, resume=False, batches=None, data=None, **kw):
+    torch.manual_seed(0)
+    model = K3ForCausalLM(ModelConfig.preset("tiny"))
+    cfg = _cfg(steps=4, out_dir=str(tmp), **kw)
+    return fit(model, batches or _batches(), cfg, stop_at=stop_at, resume_from=str(tmp) if resume else None,
+               data=data)
+
+
+@pytest.fixture(scope="module")
+def half_run(tmp_path_factory):
+    """A run stopped after 2 of 4 steps; each test resumes a copy of it."""
+    import shutil
+
+    src = tmp_path_factory.mktemp("half")
+    _run(src, stop_at=2, data="random-ids")
+
+    def copy(tmp_path):
+        dst = tmp_path / "run"
+        shutil.copytree(src, dst)
+        return dst
+    return copy
+
+
+def test_resume_honours_a_changed_lr_and_says_so(half_run, tmp_path):
+    same = _run(half_run(tmp_path / "a"), resume=True, data="random-ids")
+    with pytest.warns(UserWarning, match=r"honoured \(this run's values\): lr 0\.01 -> 0\.005"):
+        changed = _run(half_run(tmp_path / "b"), resume=True, data="random-ids", lr=5e-3)
+    cfg = _cfg(steps=4, lr=5e-3)
+    assert changed.history[2]["lr"] == cosine_lr(2, 4, cfg.warmup, 5e-3, cfg.min_lr_ratio)  # this run's schedule
+    assert changed.history[2]["loss"] == same.history[2]["loss"]   # step 3's loss is before step 3's update
+    assert changed.history[3]["loss"] != same.history[3]["loss"]   # the changed lr moved the weights
+
+
+@pytest.mark.parametrize("change", [dict(weight_decay=0.5), dict(betas=(0.5, 0.9))])
+def test_resume_honours_changed_optimizer_settings(half_run, tmp_path, change):
+    same = _run(half_run(tmp_path / "a"), resume=True, data="random-ids")
+    name = next(iter(change))
+    with pytest.warns(UserWarning, match=rf"honoured \(this run's values\): {name} "):
+        changed = _run(half_run(tmp_path / "b"), resume=True, data="random-ids", **change)
+    assert changed.history[3]["loss"] != same.history[3]["loss"]
+
+
+def test_resume_warns_when_seed_batch_or_data_differ(half_run, tmp_path):
+    with pytest.warns(UserWarning, match=r"differ from the checkpoint .*seed 0 -> 1.*batch_shape \[4, 64\] -> "
+                                         r"\[2, 64\].*data 'random-ids' -> 'other'"):
+        _run(half_run(tmp_path), resume=True, seed=1, batches=_batches(batch=2), data="other")
+
+
+def test_resume_with_another_optimizer_is_refused(half_run, tmp_path):
+    with pytest.raises(ValueError, match=r"TrainConfig.optimizer='muon': the checkpoint was trained with "
+                                         r"optimizer='adamw'"):
+        _run(half_run(tmp_path), resume=True, optimizer="muon")
+
+
+# ---------------------------------------------------------------------------------------------
+# bad input
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("field, value", [("lr", math.inf), ("lr", math.nan), ("weight_decay", math.inf),
+                                          ("steps", True), ("grad_clip", math.inf), ("betas", (0.9, math.nan)),
+                                          ("seed", 1.5), ("progress", 1)])
+def test_train_config_refuses_non_finite_and_mistyped_values(field, value):
+    with pytest.raises(ValueError, match=rf"TrainConfig\.{field}="):
+        TrainConfig(**{field: value})
+
+
+@pytest.mark.parametrize("field, value", [("timeout", 0), ("timeout", -5), ("timeout", math.nan), ("cp", 0),
+                                          ("ep_kind", "pipeline"), ("dp_shard", 0)])
+def test_parallel_options_refuse_bad_values(field, value):
+    with pytest.raises(ValueError, match=rf"ParallelOptions\.{field}="):
+        ParallelOptions(**{field: value})
+
+
+def test_stop_at_must_be_positive():
+    with pytest.raises(ValueError, match=r"stop_at=-1: must be None or an int >= 1"):
+        fit(K3ForCausalLM(ModelConfig.preset("tiny")), _batches(), _cfg(), stop_at=-1)
+
+
+def test_diverged_weights_stop_the_run_by_name():
+    """NaN weights (what a huge learning rate makes) end the run with TrainingDiverged, not a crash in the
+    router's histogram."""
+    torch.manual_seed(0)
+    model = K3ForCausalLM(ModelConfig.preset("tiny"))
+    with torch.no_grad():
+        model.model.embed_tokens.weight.fill_(math.nan)
+    with pytest.raises(TrainingDiverged, match=r"non-finite loss \(loss=nan.*at step 1"):
+        fit(model, _batches(), _cfg())
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "k3lab.parallel.run", *args], capture_output=True, text=True,
+                          timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--lr", "inf"], "error: --lr: must be a finite number > 0"),
+    (["--stop-at", "-1"], "error: argument --stop-at: -1: must be an int >= 1"),
+    (["--timeout", "0"], "error: --timeout: must be a finite number of seconds > 0"),
+    (["--ep", "3"], "error: --ep: must divide the dp_shard·cp = 1 ranks it borrows"),
+    (["--recompute-layers", "2"], "error: --recompute-layers: needs TrainConfig.recompute in"),
+    (["--bogus", "1"], "error: unrecognized arguments: --bogus 1"),
+    (["--steps"], "error: argument --steps: expected one argument"),
+])
+def test_cli_errors_name_the_flag(args, message):
+    run = _cli("--data", "random", "--steps", "1", *args)
+    assert run.returncode == 2, run.stderr[-2000:]
+    lines = run.stderr.strip().splitlines()
+    assert message in lines[-1] and "Traceback" not in run.stderr, run.stderr[-2000:]
+
+
+def test_cli_exposes_every_training_and_plan_field():
+    from k3lab.parallel.run import build_parser
+
+    flags = {a.dest for a in build_parser()._actions}
+    for cls in (TrainConfig, ParallelOptions):
+        missing = [f.name for f in dataclasses.fields(cls) if f.name not in flags]
+        assert not missing, (cls.__name__, missing)
