@@ -28,7 +28,7 @@ import re
 import types
 import typing
 
-__all__ = ["add_dataclass_flags", "dataclass_from_flags", "flag_errors", "flag_name"]
+__all__ = ["add_dataclass_flags", "dataclass_from_flags", "flag_errors", "flag_name", "flags_for"]
 
 
 def flag_name(field: str) -> str:
@@ -123,6 +123,25 @@ def dataclass_from_flags(cls, args: argparse.Namespace, **overrides):
 
 
 # "TrainConfig.lr=inf: reason" and "parallel dims: cp=3: reason" (k3lab.parallel.dims)
+def flags_for(obj, skip=()) -> list[str]:
+    """The flags that give dataclass instance ``obj`` back through :func:`add_dataclass_flags` (every field but
+    ``skip``): the inverse of :func:`dataclass_from_flags`, for a script that starts another run."""
+    argv = []
+    for f in dataclasses.fields(obj):
+        if f.name in skip or not f.init:
+            continue
+        value = getattr(obj, f.name)
+        if isinstance(value, bool):
+            argv.append(flag_name(f.name) if value else "--no-" + f.name.replace("_", "-"))
+        elif isinstance(value, (tuple, list)):
+            argv += [flag_name(f.name), *map(repr, value)]
+        elif isinstance(value, dict):
+            argv += [flag_name(f.name), json.dumps(value)]
+        else:
+            argv += [flag_name(f.name), "none" if value is None else str(value)]
+    return argv
+
+
 _FIELD_ERROR = re.compile(r"^(?:\w+\.|parallel dims: )(\w+)=(?:[^:]*?): (.*)$", re.S)
 
 

@@ -653,6 +653,8 @@ class _Step:
             if shard.mtp_input_ids is not None:
                 shard.mtp_input_ids = shard.mtp_input_ids.to(run.device, non_blocking=True)
                 shard.mtp_labels = shard.mtp_labels.to(run.device, non_blocking=True)
+        if run.device.type == "cuda" and not x.is_cuda:  # pinned (cached by torch): the copy does not wait for the GPU
+            x, y = x.pin_memory(), y.pin_memory()
         x, y = x.to(run.device, non_blocking=True), y.to(run.device, non_blocking=True)
         if self.graphed is not None:  # eager for two steps, then captured once and replayed
             if self.masters is not None:
@@ -709,7 +711,8 @@ def _run_info(run: _Run) -> dict:
 
     moes = [m for m in run.model.modules() if isinstance(m, LatentMoE)]
     slots = [getattr(m.dispatcher, "last_slots_per_rank", None) for m in moes if hasattr(m, "dispatcher")]
+    peak = torch.cuda.max_memory_allocated(run.device) / 2**30 if run.device.type == "cuda" else None
     return dict(world_size=run.dims.world_size, dims=dataclasses.asdict(run.dims), device=str(run.device),
-                ep_kind=getattr(run.parallel, "ep_kind", None),
+                ep_kind=getattr(run.parallel, "ep_kind", None), peak_mem_gib=peak,
                 expert_loads=[m.balancer.metrics()["load"].tolist() for m in moes],
                 slots_per_rank=[[int(v) for v in s.tolist()] for s in slots if s is not None])

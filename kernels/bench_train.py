@@ -20,6 +20,13 @@ weights plus int16 low halves; needs ``param_dtype=bfloat16``, AdamW, CUDA):
   float32``). Skipped, with the reason in its row, without CUDA or without fla;
 * ``tiny``       the ``tiny`` preset (CPU tests).
 
+``@via=fit`` / ``@via=cli`` (``small`` and ``tiny``): the one training loop reached two ways, on the same
+model (built on the CPU from seed 0, as the command line builds it) and the same batches
+(``k3lab.parallel.run.batches_for("random", ...)``): ``fit`` called in the process, or the command line
+``torchrun --standalone --nproc_per_node 1 -m k3lab.parallel.run`` with every setting passed as the flags
+``k3lab.cli.flags_for`` makes of the same TrainConfig. The table's last lines give CLI ÷ fit for tokens/s
+and peak memory and the largest relative difference of their per-step losses.
+
 Defaults: ``small-16x1024 small-8x4096 kda-anchor-8x4096 fla-kda-anchor-8x4096``.
 
 Every config trains in a fresh process (so no memory, compile cache or autotuning state carries over)
@@ -110,7 +117,7 @@ class Spec:
 
 OPTIONS = {"compile": COMPILE_MODES, "recompute": RECOMPUTE_MODES, "fused_loss": ("on", "off"),
            "param_dtype": PARAM_DTYPES, "moment_dtype": MOMENT_DTYPES, "master_format": MASTER_FORMATS,
-           "cuda_graph": ("on", "off"), "recompute_layers": ("N (an int >= 0)",)}
+           "cuda_graph": ("on", "off"), "recompute_layers": ("N (an int >= 0)",), "via": ("fit", "cli")}
 INT_OPTIONS = ("recompute_layers",)  # options whose value is an int, not one of a list
 
 
@@ -263,19 +270,25 @@ def run_config(spec: Spec, args) -> dict:
                           cuda_graph=bool(row.get("cuda_graph")), fused_loss=fused_loss, compile=row["compile"],
                           recompute=row["recompute"], recompute_layers=row.get("recompute_layers"),
                           progress=False, name=spec.name)
+        via = None if is_fla else spec.option("via", None)
         t0 = time.perf_counter()
         try:
-            result = fit(model, batches, cfg)
+            if via is None:
+                history, peak = fit(model, batches, cfg).history, None
+            else:
+                row["via"] = via
+                del model
+                history, peak = run_via(via, spec, cfg, device)
         except TrainingDiverged as err:
             return dict(row, status=f"diverged: {err}", peak_mem_gib=_peak_memory_gib(device))
         wall = time.perf_counter() - t0
-        history = result.history
         elapsed = [r["elapsed"] for r in history]
         times = [b - a for a, b in zip(elapsed[:-1], elapsed[1:])][args.warmup:]
         dt = statistics.median(times)
         tokens_per_s = spec.B * spec.T / dt
         row.update(ms_per_step=1e3 * dt, ms_per_step_min=1e3 * min(times), tokens_per_s=tokens_per_s,
-                   mfu=6 * active * tokens_per_s / args.peak_flops, peak_mem_gib=_peak_memory_gib(device),
+                   mfu=6 * active * tokens_per_s / args.peak_flops,
+                   peak_mem_gib=peak if peak is not None else _peak_memory_gib(device), losses=[r["loss"] for r in history],
                    first_step_s=elapsed[0], loss_first=history[0]["loss"], loss=history[-1]["loss"],
                    steps_timed=len(times), wall_s=wall)
     except Exception as err:  # noqa: BLE001 — a row per config, whatever happened
@@ -286,6 +299,50 @@ def run_config(spec: Spec, args) -> dict:
         traceback.print_exc()
         return dict(row, status=f"error: {type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}")
     return row
+
+
+def run_via(via: str, spec: Spec, train_cfg, device) -> tuple[list[dict], float | None]:
+    """``@via=fit|cli``: (history, peak GiB or None) of the one loop reached in the process or by the command line,
+    on the model and batches the command line builds (seed 0 on the CPU; ``batches_for("random", ...)``)."""
+    from k3lab.cli import flags_for
+    from k3lab.model import K3ForCausalLM
+    from k3lab.parallel.run import batches_for
+    from k3lab.train import fit
+
+    if spec.model not in ("small", "tiny"):
+        raise ValueError(f"config {spec.name!r}: via= runs the command line's presets only (small, tiny)")
+    cfg = k3lab_config(spec.model)
+    if via == "fit":
+        return fit(lambda: K3ForCausalLM(cfg), batches_for("random", cfg, spec.B, spec.T, 0), train_cfg).history, None
+    with tempfile.TemporaryDirectory(prefix="bench-cli-") as tmp:
+        out = os.path.join(tmp, "metrics.json")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
+               "-m", "k3lab.parallel.run", "--preset", spec.model, "--data", "random", "--batch-size", str(spec.B),
+               "--seq-len", str(spec.T), *flags_for(train_cfg, skip=("device", "progress")), "--device", device.type,
+               "--no-progress", "--metrics", out]
+        print("   " + " ".join(cmd[1:]), flush=True)
+        run = subprocess.run(cmd, env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True)
+        if run.returncode != 0:
+            raise RuntimeError(f"the command line exited with {run.returncode}: {run.stderr.strip().splitlines()[-1:]}")
+        with open(out) as f:
+            summary = json.load(f)
+    return summary["history"], summary.get("peak_mem_gib")
+
+
+def via_comparison(rows: list[dict]) -> list[str]:
+    """For each config run both ``@via=fit`` and ``@via=cli``: the CLI ÷ fit lines under the table."""
+    lines = []
+    for fit_row in (r for r in rows if r.get("via") == "fit" and "tokens_per_s" in r):
+        base = fit_row["config"].split("@")[0]
+        cli_row = next((r for r in rows if r.get("via") == "cli" and r["config"].split("@")[0] == base
+                        and "tokens_per_s" in r), None)
+        if cli_row is None:
+            continue
+        diff = max(abs(a - b) / abs(b) for a, b in zip(cli_row["losses"], fit_row["losses"]))
+        lines.append(f"{base}: CLI (torchrun ×1) ÷ fit: tokens/s {cli_row['tokens_per_s'] / fit_row['tokens_per_s']:.3f}×, "
+                     f"peak memory {cli_row['peak_mem_gib'] / fit_row['peak_mem_gib']:.3f}×; per-step losses "
+                     f"({len(fit_row['losses'])} steps) differ by at most {diff:.2e} (relative)")
+    return lines
 
 
 # ----------------------------------------------------------------------------------------------
@@ -310,7 +367,7 @@ def markdown_table(rows: list[dict]) -> str:
         params = f"{_millions(r['params_active'])} / {_millions(r['params_total'])}" if "params_active" in r else "–"
         loss = f"{_fmt(r.get('loss_first'), '.3f')} → {_fmt(r.get('loss'), '.3f')}" if "loss" in r else "–"
         lines.append("| " + " | ".join([
-            r["config"].split("@")[0], r.get("model", "?"), r.get("compile", "–") + (" + CUDA graph" if r.get("cuda_graph") else ""),
+            r["config"].split("@")[0] + (f" via {r['via']}" if "via" in r else ""), r.get("model", "?"), r.get("compile", "–") + (" + CUDA graph" if r.get("cuda_graph") else ""),
             r.get("recompute", "–") + (f" ({r['recompute_layers']} layers)" if "recompute_layers" in r else ""),
             r.get("fused_loss", "–"), r.get("weights", "–"), params,
             _fmt(r.get("ms_per_step"), ".1f"), _fmt(r.get("tokens_per_s"), ",.0f"),
@@ -428,6 +485,8 @@ def main(argv=None):
           + (f", fla {r['fla']}" if (r := next((r for r in rows if "fla" in r), None)) else "")
           + f"; MFU = 6·active params·tokens/s ÷ {peak_source}")
     print(markdown_table(rows))
+    for line in via_comparison(rows):
+        print(line)
     if args.json:
         settings = {k: v for k, v in vars(args).items() if not k.startswith("child")}
         with open(args.json, "w") as f:
