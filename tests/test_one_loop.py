@@ -203,3 +203,18 @@ def test_cli_exposes_every_training_and_plan_field():
     for cls in (TrainConfig, ParallelOptions):
         missing = [f.name for f in dataclasses.fields(cls) if f.name not in flags]
         assert not missing, (cls.__name__, missing)
+
+
+def test_flags_for_gives_the_config_back():
+    """k3lab.cli.flags_for is the inverse of the generated parser: a script that starts another run (bench_train's
+    via=cli rows) passes every field of its TrainConfig as flags and the run gets the same TrainConfig."""
+    from k3lab.cli import dataclass_from_flags, flags_for
+    from k3lab.parallel.run import build_parser
+
+    cfg = TrainConfig(steps=7, lr=1e-3, betas=(0.8, 0.9), warmup_steps=0, dtype="bfloat16", param_dtype="bfloat16",
+                      fused_loss=True, optimizer_kwargs={"muon_lr": 0.02}, recompute="mixer", recompute_layers=2,
+                      progress=False, name="x")
+    opts = ParallelOptions(cp=2, ep_kind="ep", timeout=30.0)
+    args = build_parser().parse_args(flags_for(cfg) + flags_for(opts))
+    assert dataclass_from_flags(TrainConfig, args) == cfg
+    assert dataclass_from_flags(ParallelOptions, args) == opts

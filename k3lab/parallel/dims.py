@@ -15,10 +15,18 @@ Three axes, torchtitan's convention (EP *borrows* ranks, it is not an extra fact
 Rank ``r`` sits at ``(dp, c) = divmod(r, cp)`` of the ``[dp_shard, cp]`` data mesh and at
 ``(edp, e) = divmod(r, ep)`` of the ``[world/ep, ep]`` expert mesh. "axis" names a mesh axis;
 "dim" is kept for tensor dimensions.
+
+Every group of a run waits at most the run's ``--timeout`` (:func:`check_timeout`) before it fails it:
+the default group (:func:`init_process_group_from_env`), the cp/ep/edp groups and the groups behind the
+two device meshes (:func:`init_groups`). ``init_device_mesh`` would create the mesh's sub-groups itself,
+with torch's default timeout (30 min for gloo, 10 for NCCL), so a rank that stops in an FSDP or expert
+collective would hang the others for half an hour; the meshes are built from the groups made here instead.
 """
 from __future__ import annotations
 
 import datetime
+import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -88,6 +96,16 @@ class ParallelGroups:
     expert_mesh: object | None = None   # 2-D ("edp", "ep") DeviceMesh: how EP expert slices are laid out (DCP)
 
 
+def check_timeout(timeout_s) -> float:
+    """``timeout_s`` as float seconds, or ValueError: a process-group timeout must be a finite number > 0
+    (``timedelta`` would take 0 or a negative number, and a group that times out at once or never is
+    not what a run asks for; ``inf``/``nan`` would fail later inside ``timedelta`` with no flag named)."""
+    if not (isinstance(timeout_s, numbers.Real) and not isinstance(timeout_s, bool)
+            and math.isfinite(timeout_s) and timeout_s > 0):
+        raise ValueError(f"--timeout={timeout_s!r}: must be a finite number of seconds > 0")
+    return float(timeout_s)
+
+
 def _subgroups(world: int, size: int, consecutive: bool, timeout: datetime.timedelta, rank: int):
     """Every rank creates every group (a torch.distributed rule); return the one holding ``rank``."""
     mine = None
@@ -104,7 +122,13 @@ def init_groups(dims: ParallelDims, device_type: str = "cpu", timeout_s: float =
     """Process groups for ``dims`` on the already-initialised default group (torchrun or a test).
 
     Without an initialised default group, or with a group of one rank (``torchrun --nproc_per_node 1``),
-    the run is one process: every group is None and nothing is wrapped or communicated."""
+    the run is one process: every group is None and nothing is wrapped or communicated.
+
+    Every group made here waits ``timeout_s``; the meshes are views of them (``DeviceMesh.from_group``):
+    the FSDP mesh is the default group (whose timeout :func:`init_process_group_from_env` set from the
+    same ``--timeout``), the expert mesh's axes are the edp and ep groups (``init_device_mesh`` would make
+    its own groups with torch's default timeout)."""
+    timeout_s = check_timeout(timeout_s)
     if not dist.is_initialized():
         if dims.world_size != 1:
             raise ValueError(f"parallel dims: world_size={dims.world_size} but torch.distributed is not "
@@ -115,24 +139,31 @@ def init_groups(dims: ParallelDims, device_type: str = "cpu", timeout_s: float =
     if dist.get_world_size() != dims.world_size:
         raise ValueError(f"parallel dims: world_size={dims.world_size} but the process group has "
                          f"{dist.get_world_size()} ranks")
-    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.device_mesh import DeviceMesh
 
     rank, W = dist.get_rank(), dims.world_size
     timeout = datetime.timedelta(seconds=timeout_s)
     cp = _subgroups(W, dims.cp, True, timeout, rank) if dims.cp > 1 else None
     ep = _subgroups(W, dims.ep, True, timeout, rank) if dims.ep > 1 else None
     edp = _subgroups(W, dims.ep, False, timeout, rank) if dims.ep < W else None
-    mesh = init_device_mesh(device_type, (W,), mesh_dim_names=("fsdp",))
-    expert_mesh = (init_device_mesh(device_type, (W // dims.ep, dims.ep), mesh_dim_names=("edp", "ep"))
-                   if dims.ep > 1 else None)
+    mesh = DeviceMesh.from_group(dist.group.WORLD, device_type, mesh_dim_names=("fsdp",))
+    expert_mesh = None
+    if dims.ep > 1:
+        # ep == W: the edp axis has one rank; the mesh still wants a group for it (one per rank)
+        edp_axis = edp if edp is not None else _subgroups(W, dims.ep, False, timeout, rank)
+        expert_mesh = DeviceMesh.from_group([edp_axis, ep], device_type,
+                                            mesh=torch.arange(W).view(W // dims.ep, dims.ep),
+                                            mesh_dim_names=("edp", "ep"))
     return ParallelGroups(dims, rank, dist.group.WORLD, cp, ep, edp, mesh, expert_mesh)
 
 
 def init_process_group_from_env(device_type: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> bool:
     """Under torchrun (``WORLD_SIZE`` set): init the default group (nccl on CUDA, gloo on CPU) with a
-    timeout, pin this rank's GPU; returns True. Alone: returns False and starts nothing."""
+    timeout, pin this rank's GPU; returns True. Alone: returns False and starts nothing. A bad
+    ``timeout_s`` raises ValueError (:func:`check_timeout`) either way."""
     import os
 
+    timeout_s = check_timeout(timeout_s)
     if int(os.environ.get("WORLD_SIZE", "1")) == 1 and "RANK" not in os.environ:
         return False
     backend = "nccl" if device_type == "cuda" else "gloo"

@@ -24,7 +24,6 @@ already materialised (tests) is moved to the device instead.
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 
 import torch
@@ -38,7 +37,7 @@ from k3lab.mixers.mla import GatedMLA
 from k3lab.model import IGNORE_INDEX, LossShard
 from k3lab.moe.latent import LatentMoE, RoutedExperts
 from k3lab.parallel.context import CP_LAYOUTS
-from k3lab.parallel.dims import DEFAULT_TIMEOUT_S, ParallelDims, ParallelGroups
+from k3lab.parallel.dims import DEFAULT_TIMEOUT_S, ParallelDims, ParallelGroups, check_timeout
 from k3lab.parallel.expert import EP_KINDS
 from k3lab.parallel.fsdp import apply_fsdp
 
@@ -69,8 +68,10 @@ class ParallelOptions:
              "must be an int >= 1, or -1 for world_size / cp")
         for name, allowed in self.CHOICES.items():
             need(getattr(self, name) in allowed, name, f"allowed values are {allowed}")
-        need(isinstance(self.timeout, (int, float)) and not isinstance(self.timeout, bool)
-             and math.isfinite(self.timeout) and self.timeout > 0, "timeout", "must be a finite number of seconds > 0")
+        try:
+            check_timeout(self.timeout)  # the rule, defined once (k3lab.parallel.dims)
+        except ValueError as err:
+            need(False, "timeout", str(err).split(": ", 1)[-1])
 
 
 def local_batch(x: torch.Tensor, y: torch.Tensor, dims: ParallelDims, rank: int, lm_tokens: int,

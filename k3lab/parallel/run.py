@@ -32,10 +32,10 @@ from pathlib import Path
 
 from k3lab.cli import add_dataclass_flags, dataclass_from_flags, flag_errors
 from k3lab.config import BACKENDS, BALANCERS, RUNNABLE_PRESETS, ModelConfig
+from k3lab.parallel.launch import PROGRESS_PREFIX  # rank 0 prints "K3LAB_PROGRESS step/steps loss" for launch()'s bar
 from k3lab.parallel.parallelize import ParallelOptions
 from k3lab.train import TrainConfig
 
-PROGRESS_PREFIX = "K3LAB_PROGRESS "  # rank 0 prints "K3LAB_PROGRESS step/steps loss" for launch()'s bar
 CLI_DEFAULTS = {"steps": 3, "name": "parallel"}  # a quick run unless told otherwise
 
 
@@ -154,4 +154,7 @@ def _cuda_available() -> bool:
 
 
 if __name__ == "__main__":
-    main()
+    from k3lab.parallel.launch import worker_errors
+
+    with worker_errors():  # a failing rank's one-line error, for launch() to raise
+        main()

@@ -1,0 +1,167 @@
+"""kernels/predict_scaling.py: the prediction arithmetic by hand, config names, and a fake-process-group run of
+the tiny preset on the CPU (in a subprocess, so this worker's torch.distributed state stays untouched)."""
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "kernels" / "predict_scaling.py"
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("predict_scaling", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_prediction_arithmetic_by_hand():
+    ps = load_script()
+    link = ps.Link("hand", alpha={k: 10e-6 for k in ps.KINDS}, busbw={k: 400e9 for k in ps.KINDS})
+    comm = [dict(source="fsdp", kind="all_gather", n=8, bytes=1e9, calls=10),
+            dict(source="fsdp", kind="reduce_scatter", n=8, bytes=0.5e9, calls=5),
+            dict(source="ep", kind="all_to_all", n=8, bytes=0.8e9, calls=4),
+            dict(source="other", kind="all_reduce", n=8, bytes=1e6, calls=2)]
+    edges = [dict(kind="all_gather", n=8, bytes=0.1e9), dict(kind="reduce_scatter", n=8, bytes=0.05e9)]
+    # by hand: t = calls·alpha + bytes·f/busbw, f = 7/8 (AG, RS, A2A), 2·7/8 (AR)
+    ag = 10 * 10e-6 + 1e9 * 7 / 8 / 400e9            # 2.2875 ms
+    rs = 5 * 10e-6 + 0.5e9 * 7 / 8 / 400e9           # 1.14375 ms
+    a2a = 4 * 10e-6 + 0.8e9 * 7 / 8 / 400e9          # 1.79 ms
+    ar = 2 * 10e-6 + 1e6 * 2 * 7 / 8 / 400e9         # 0.024375 ms
+    assert ps.collective_seconds("all_gather", 1e9, 8, 10, link) == pytest.approx(2.2875e-3)
+    assert ps.collective_seconds("all_reduce", 1e6, 8, 2, link) == pytest.approx(2.4375e-5)
+    assert ps.collective_seconds("all_to_all", 1e9, 1, 3, link) == 0.0  # one rank: nothing moves
+    total, fsdp = ag + rs + a2a + ar, ag + rs
+    edge = (10e-6 + 0.1e9 * 7 / 8 / 400e9) + (10e-6 + 0.05e9 * 7 / 8 / 400e9)  # 0.348125 ms
+
+    p = ps.predict_step(0.100, comm, link, edges)  # compute-bound: FSDP hides but its two edges
+    assert p["comm"] == pytest.approx(5.245625e-3)
+    assert p["no_overlap"] == pytest.approx(0.100 + total) and p["overlap"] == pytest.approx(0.100)
+    assert p["blocking"] == pytest.approx(a2a + ar) and p["fsdp"] == pytest.approx(fsdp)
+    assert p["realistic"] == pytest.approx(0.100 + a2a + ar + edge) == pytest.approx(0.1021625)
+
+    p = ps.predict_step(0.001, comm, link, edges)  # comm-bound: FSDP's rest sticks out past the compute
+    assert p["overlap"] == pytest.approx(total)
+    assert p["realistic"] == pytest.approx(0.001 + (a2a + ar) + edge + (fsdp - edge - 0.001)) == pytest.approx(total)
+    assert p["overlap"] <= p["realistic"] <= p["no_overlap"]
+
+
+def test_link_models_from_the_peer_figures():
+    ps = load_script()
+    # the alpha-beta fit passes through §5's 4 MiB and 1 GiB points (time = bus bytes / busbw)
+    for kind, points in ps.PEER_FIGURES_S5.items():
+        alpha, beta = ps.fit_alpha_beta(points, kind)
+        assert 0 < alpha < 1e-4 and 2e11 < beta < 4e11
+        for mib in (4, 1024):
+            bus = ps._bus_bytes_s5(kind, mib * 2 ** 20)
+            assert alpha + bus / beta == pytest.approx(bus / (points[mib] * 1e9), rel=1e-9)
+    assert ps.LINKS["nvlink8"].busbw["all_gather"] == 370e9
+    assert ps.bus_factor("all_reduce", 8) == pytest.approx(1.75) and ps.bus_factor("all_gather", 2) == 0.5
+
+
+def test_config_names():
+    ps = load_script()
+    spec = ps.parse_config("small-w8-ep8-16x1024@optimizer=sgd")
+    assert (spec.preset, spec.world, spec.ep, spec.cp, spec.B, spec.T) == ("small", 8, 8, 1, 16, 1024)
+    assert spec.option("optimizer") == "sgd" and spec.tokens_per_rank == 16 * 1024
+    cp = ps.parse_config("small-w4-cp4-1x32768")
+    assert cp.tokens_per_rank == 8192 and ps.baseline_of(cp).name == "small-w1-1x8192"
+    k3 = ps.parse_config("k3slice-w8-ep8-2x4096@optimizer=sgd")
+    base = ps.baseline_of(k3)
+    assert base.world == 1 and base.option("experts_of_ep") == 8
+    assert ps.model_config(base, local_experts=False).n_routed_experts == 896
+    cfg = ps.model_config(ps.Spec("b", "k3slice", 1, 2, 4096, 8, 1, ()), local_experts=True)
+    assert (cfg.n_routed_experts, cfg.num_hidden_layers, cfg.full_attn_layers, cfg.hidden_size) == (112, 2, [2], 7168)
+    for names in ps.CONFIG_LISTS.values():
+        for name in names:
+            ps.parse_config(name)
+    for bad in ("small-16x1024", "huge-w2-2x64", "tiny-w2-2x", "tiny-w3-ep2-2x64", "tiny-w2-2x64@optimizer=lion"):
+        with pytest.raises(ValueError):
+            ps.parse_config(bad)
+
+
+@pytest.fixture(scope="module")
+def fake_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("predict") / "rows.json"
+    cmd = [sys.executable, str(SCRIPT), "--device", "cpu", "--dtype", "float32", "--steps", "1", "--warmup", "1",
+           "--configs", "tiny-w2-2x32", "tiny-w2-ep2-2x32@init=meta", "--json", str(out), "--raise-errors"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {r["config"]: r for r in json.loads(out.read_text())}
+    return rows, proc.stdout
+
+
+def _by_source_kind(row):
+    out = {}
+    for c in row.get("comm", []):
+        out[(c["source"], c["kind"])] = out.get((c["source"], c["kind"]), 0) + c["bytes"]
+    return out
+
+
+def _tiny_param_bytes(expert_parallel: bool):
+    """(sublayer bytes, root bytes) of the tiny model's FSDP-managed fp32 parameters, from the model itself."""
+    import torch
+
+    from k3lab.config import ModelConfig
+    from k3lab.model import K3ForCausalLM
+
+    with torch.device("meta"):
+        model = K3ForCausalLM(ModelConfig.preset("tiny"))
+    sub = root = 0
+    for name, p in model.named_parameters():
+        if name.endswith("e_score_correction_bias") or (expert_parallel and ".experts." in name):
+            continue  # FSDP's ignored parameters
+        in_sublayer = any(f".{s}." in name for s in ("self_attn", "mlp", "block_sparse_moe"))
+        if in_sublayer:
+            sub += 4 * p.numel()
+        else:
+            root += 4 * p.numel()
+    return sub, root
+
+
+def test_fake_pg_counts_fsdp_bytes(fake_run):
+    rows, stdout = fake_run
+    row = rows["tiny-w2-2x32"]
+    assert row["finite"] and row["compute_ms"] > 0 and row["process_group"] == "fake"
+    got = _by_source_kind(row)
+    sub, root = _tiny_param_bytes(expert_parallel=False)
+    # FSDP2: every sublayer all-gathered in forward and again in backward, the root once; one reduce-scatter
+    assert got[("fsdp", "all_gather")] == pytest.approx(2 * sub + root, rel=0.03)
+    assert got[("fsdp", "reduce_scatter")] == pytest.approx(sub + root, rel=0.03)
+    assert got[("fsdp", "all_gather")] == pytest.approx(row["fsdp_expected"]["all_gather"], rel=1e-6)
+    assert got[("fsdp", "reduce_scatter")] == pytest.approx(row["fsdp_expected"]["reduce_scatter"], rel=0.01)
+    assert not any(kind == "all_to_all" for _, kind in got)  # no EP, no all-to-all
+    assert row["uncounted_bytes"] == {}  # the dispatch-level count saw nothing the wrappers missed
+    base = rows["tiny-w1-2x32"]
+    assert base["world"] == 1 and base["compute_ms"] > 0 and "comm" not in base
+    assert row["baseline"] == "tiny-w1-2x32" and row["compute_vs_one_gpu"] == pytest.approx(
+        base["compute_ms"] / row["compute_ms"])
+    p = row["predicted"]["nvlink8"]
+    assert p["overlap"] <= p["realistic"] <= p["no_overlap"]
+    assert "| tiny-w2-2x32 | 2 | 64 |" in stdout  # the table, printed last
+
+
+def test_fake_pg_counts_ep_all_to_all(fake_run):
+    rows, _ = fake_run
+    row = rows["tiny-w2-ep2-2x32@init=meta"]
+    assert row["finite"] and row["uncounted_bytes"] == {}
+    got = _by_source_kind(row)
+    assert got[("ep", "all_to_all")] > 0
+    # every MoE layer: the tokens out and back in forward, and both again in backward, at least
+    # S·K rows of the latent width L in fp32 each way
+    from k3lab.config import ModelConfig
+
+    cfg = ModelConfig.preset("tiny")
+    moe_layers = cfg.num_hidden_layers - cfg.first_k_dense_replace
+    tokens = 2 * 32
+    assert got[("ep", "all_to_all")] >= 4 * moe_layers * tokens * cfg.num_experts_per_tok * cfg.routed_expert_hidden_size * 4
+    sub, root = _tiny_param_bytes(expert_parallel=True)  # the expert slices are EP's, not FSDP's
+    assert got[("fsdp", "all_gather")] == pytest.approx(2 * sub + root, rel=0.03)
+    assert math.isfinite(row["predicted"]["nvlink8"]["realistic"])
