@@ -683,15 +683,12 @@ def run_config(spec: Spec, args, *, process_group: str = "fake") -> dict:
     ``process_group``: "fake" (one process plays rank R of spec.world), "real" (torchrun: the initialised
     default group, world size spec.world), or "none" (spec.world must be 1)."""
     from k3lab.model import K3ForCausalLM
-    from k3lab.optim import build_optimizer
     from k3lab.parallel.dims import ParallelDims, init_groups
     from k3lab.parallel.fsdp import clip_grad_norm_, sum_expert_grads_
     from k3lab.parallel.parallelize import expert_parameters, parallelize, reduce_max_logits_
 
-    try:
-        from k3lab.parallel.parallelize import global_label_counts, local_batch
-    except ImportError:  # the older home of the per-rank batch
-        from k3lab.parallel.trainer import global_label_counts, local_batch
+    from k3lab.parallel.parallelize import global_label_counts, local_batch
+    from k3lab.train import TrainConfig, make_optimizer
 
     device = torch.device(args.device)
     if device.type == "cuda" and device.index is None:
@@ -747,7 +744,7 @@ def run_config(spec: Spec, args, *, process_group: str = "fake") -> dict:
         if optimizer_name == "sgd":
             optimizer = torch.optim.SGD(params, lr=1e-4, foreach=False if distributed else None)
         else:
-            optimizer = build_optimizer(model, "adamw", lr=1e-4, foreach=False if distributed else None)
+            optimizer = make_optimizer(model, TrainConfig(optimizer="adamw", lr=1e-4))  # as fit builds it
         if distributed:
             row["fsdp_expected"] = fsdp_expected_bytes(model)
         row["setup_peak_gib"] = _peak_gib(device)

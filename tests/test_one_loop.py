@@ -33,6 +33,7 @@ def _cfg(**kw):
 # fp32 switches change only summation order (1e-5); bf16 weights are fp32 masters in both, but one process
 # rounds the gradients to bf16 before reducing them and FSDP2 reduces in fp32 (bf16 noise, 2e-2)
 SWITCHES = {
+    "ep=2 (AdamW's groups split into DTensor shards and expert slices)": (dict(), 1e-5),
     "recompute=sublayer": (dict(recompute="sublayer"), 1e-5),
     "recompute=mixer": (dict(recompute="mixer"), 1e-5),
     "fused_loss": (dict(fused_loss=True), 1e-5),
@@ -42,8 +43,12 @@ SWITCHES = {
 
 def _switch_worker(rank, world):
     cfg = ModelConfig.preset("tiny")
-    return {name: fit(lambda: K3ForCausalLM(cfg), _batches(), _cfg(**kw), parallel=ParallelOptions()).losses
-            for name, (kw, _) in SWITCHES.items()}
+    out = {}
+    for name, (kw, _) in SWITCHES.items():
+        opts = ParallelOptions(ep=2) if name.startswith("ep=2") else ParallelOptions()
+        result = fit(lambda: K3ForCausalLM(cfg), _batches(), _cfg(**kw), parallel=opts)
+        out[name] = result.losses
+    return out
 
 
 def test_switches_at_two_ranks_equal_one_process():
