@@ -66,3 +66,15 @@ def run_interpreter_suite(path: str, *extra_args: str, timeout: float = 600.0) -
     if " passed" not in run.stdout or " skipped" in run.stdout:
         raise AssertionError(f"{path} under TRITON_INTERPRET=1: expected every test to run\n{run.stdout[-2000:]}")
     return run.stdout
+
+
+def load_script(path, name: str):
+    """Import the script at ``path`` (a ``kernels/`` benchmark, a ``tools/`` check) as module ``name``, so tests can
+    call its functions; registered in ``sys.modules`` (dataclasses look their module up there)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module

@@ -5,6 +5,7 @@ import math
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -223,3 +224,29 @@ def test_flags_for_gives_the_config_back():
     args = build_parser().parse_args(flags_for(cfg) + flags_for(opts))
     assert dataclass_from_flags(TrainConfig, args) == cfg
     assert dataclass_from_flags(ParallelOptions, args) == opts
+
+
+def test_a_stalled_rank_is_named_within_the_timeout():
+    """Rank 1 stops (SIGSTOP) at step 2 of a torchrun run: the run ends within about --timeout with an error that
+    names rank 1 (not the healthy rank 0 whose collective waited), and launch() leaves no process behind."""
+    import time
+
+    from k3lab.parallel.launch import LaunchError, launch
+
+    t0 = time.monotonic()
+    with pytest.raises(LaunchError, match=r"rank 1 stopped responding") as err:
+        launch(2, "--steps", "6", "--data", "random", "--batch-size", "4", "--seq-len", "32", "--timeout", "8",
+               "--device", "cpu", timeout=120, progress=False,
+               env={"K3LAB_FAULT_RANK_STEP": "1:2:stop", "K3LAB_TEST_MARKER": str(os.getpid())})
+    took = time.monotonic() - t0
+    assert took < 60, took
+    assert "rank 0 failed" in str(err.value), str(err.value)[:500]  # rank 0's watchdog named rank 1
+    marker = f"K3LAB_TEST_MARKER={os.getpid()}".encode()  # this test's processes, found by their environment
+    left = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and marker in (proc / "environ").read_bytes():
+                left.append(proc.name)
+        except OSError:
+            continue
+    assert not left, f"processes left running: {left}"

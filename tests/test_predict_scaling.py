@@ -1,7 +1,6 @@
 """kernels/predict_scaling.py: the prediction arithmetic by hand, config names, and a fake-process-group run of
 the tiny preset on the CPU (in a subprocess, so this worker's torch.distributed state stays untouched)."""
 
-import importlib.util
 import json
 import math
 import subprocess
@@ -10,16 +9,14 @@ from pathlib import Path
 
 import pytest
 
+from k3lab import testing
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "kernels" / "predict_scaling.py"
 
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("predict_scaling", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return testing.load_script(SCRIPT, "predict_scaling")
 
 
 def test_prediction_arithmetic_by_hand():

@@ -31,7 +31,6 @@ attention layer's page set grows with it.
 from __future__ import annotations
 
 import numbers
-import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 

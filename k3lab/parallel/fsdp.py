@@ -26,7 +26,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from k3lab.moe.latent import LatentMoE
 from k3lab.moe.router import SigmoidRouter
 
 

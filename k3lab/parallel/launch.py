@@ -386,8 +386,8 @@ def launch(nproc: int, *args, timeout: float = 600.0, progress: bool = True, env
             message, rank = _reported(folder) or _from_output(list(run.lines))
             raise LaunchError(f"launch: {message}", output, rank, rc)
         if not metrics.exists():
-            raise LaunchError(f"launch: torchrun exited with status 0 but rank 0 wrote no metrics (the worker "
-                              f"must write --metrics FILE)", output, 0, rc)
+            raise LaunchError("launch: torchrun exited with status 0 but rank 0 wrote no metrics (the worker "
+                              "must write --metrics FILE)", output, 0, rc)
         return json.loads(metrics.read_text())
 
 

@@ -169,12 +169,17 @@ def expert_layout(model: nn.Module, experts: set, groups: ParallelGroups) -> dic
             if p in experts}
 
 
-FAULT_ENV = "K3LAB_FAULT_RANK_STEP"  # "R:S": rank R exits at step S (tests of the no-hang guarantee)
+FAULT_ENV = "K3LAB_FAULT_RANK_STEP"  # "R:S": rank R exits at step S; "R:S:stop": it stops (SIGSTOP) there
 
 
 def maybe_inject_fault(rank: int, step: int) -> None:
-    """Exit this process (code 17) when :data:`FAULT_ENV` names this rank and step: a dead rank, for tests."""
+    """When :data:`FAULT_ENV` names this rank and step: exit this process (code 17; a dead rank) or, with ``:stop``,
+    stop it (SIGSTOP; a rank that stops responding): tests of the no-hang guarantee."""
     import os
+    import signal
 
-    if os.environ.get(FAULT_ENV) == f"{rank}:{step}":
+    spec = os.environ.get(FAULT_ENV, "")
+    if spec == f"{rank}:{step}":
         os._exit(17)
+    if spec == f"{rank}:{step}:stop":
+        os.kill(os.getpid(), signal.SIGSTOP)

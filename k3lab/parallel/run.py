@@ -121,9 +121,8 @@ def main(argv=None) -> dict:
         cfg = run.model_config()
         batches = batches_for(run.data, cfg, run.batch_size, run.seq_len, train_cfg.seed)
     rank = int(os.environ.get("RANK", "0"))
-    hook = None
-    if args.progress_lines and rank == 0:
-        def hook(step, row):
+    def hook(step, row):  # the lines launch()'s progress bar follows
+        if args.progress_lines and rank == 0:
             print(f"{PROGRESS_PREFIX}{step}/{train_cfg.steps} {row['loss']:.6g}", flush=True)
     device_type = "cuda" if train_cfg.device.startswith("cuda") or (
         train_cfg.device == "auto" and _cuda_available()) else "cpu"
