@@ -26,7 +26,7 @@ from k3lab.train import TrainConfig, fit
 STEPS = 3
 
 
-def train_parallel(cfg, train_cfg, opts, batches, **kw) -> dict:
+def fit_under_plan(cfg, train_cfg, opts, batches, **kw) -> dict:
     """fit under the plan ``opts`` on the model K3ForCausalLM(cfg) built from the run's seed: the summary dict."""
     return fit(lambda: K3ForCausalLM(cfg), batches, train_cfg, parallel=opts, **kw).summary()
 
@@ -117,7 +117,7 @@ def _fsdp_worker(rank, world, balancers):
         res = {"grad_err": max(rel_err(p.grad.full_tensor(), ref_grads[n].grad) for n, p in model.named_parameters()
                                if p.grad is not None)}
         for optimizer in ("adamw", "muon") if balancer == balancers[0] else ("muon",):  # AdamW once: CI time
-            metrics = train_parallel(cfg, _train_cfg(optimizer), ParallelOptions(), _batches())
+            metrics = fit_under_plan(cfg, _train_cfg(optimizer), ParallelOptions(), _batches())
             res[optimizer] = metrics["losses"]
         res["loads"] = metrics["expert_loads"]
         out[balancer] = res
@@ -173,7 +173,7 @@ def test_world_size_one_equals_fit():
     cfg = ModelConfig.preset("tiny")
     for optimizer in ("adamw", "muon"):
         ref, _ = _one_process(cfg.balancer, optimizer)
-        got = train_parallel(cfg, _train_cfg(optimizer), ParallelOptions(), _batches())["losses"]
+        got = fit_under_plan(cfg, _train_cfg(optimizer), ParallelOptions(), _batches())["losses"]
         assert got == ref, optimizer
 
 
@@ -189,7 +189,7 @@ def test_world_size_one_fused_loss_equals_fit(monkeypatch):
     torch.manual_seed(0)
     ref = [r["loss"] for r in fit(K3ForCausalLM(cfg), _batches(), train_cfg).history]
     calls.clear()
-    assert train_parallel(cfg, train_cfg, ParallelOptions(), _batches())["losses"] == ref
+    assert fit_under_plan(cfg, train_cfg, ParallelOptions(), _batches())["losses"] == ref
     assert len(calls) == 2  # one chunked loss per step (tiny has no MTP head)
 
 
@@ -252,7 +252,7 @@ QK_TAU = 0.07  # below the tiny model's max logits (0.066–0.09 at init): QK-Cl
 def _e2e_worker(rank, world, ep_kind, layout):
     cfg = ModelConfig.preset("tiny").replace(num_nextn_predict_layers=1, qk_clip_tau=QK_TAU, balancer="quantile_exact")
     opts = ParallelOptions(cp=2, ep=2, ep_kind=ep_kind, cp_layout=layout)
-    return train_parallel(cfg, _train_cfg("muon"), opts, _batches())
+    return fit_under_plan(cfg, _train_cfg("muon"), opts, _batches())
 
 
 def test_ep_cp_fsdp_end_to_end_equals_one_process():
@@ -283,11 +283,11 @@ def _resume_worker(rank, world, run_dir, ep, cp, mode):
     opts = ParallelOptions(ep=ep, cp=cp)
     tc = _train_cfg("muon")
     if mode == "resume":
-        return train_parallel(cfg, tc, opts, _batches(), resume_from=run_dir)["losses"]
-    full = train_parallel(cfg, tc, opts, _batches())["losses"]
+        return fit_under_plan(cfg, tc, opts, _batches(), resume_from=run_dir)["losses"]
+    full = fit_under_plan(cfg, tc, opts, _batches())["losses"]
     saved = dataclasses.replace(tc, out_dir=run_dir)
-    first = train_parallel(cfg, saved, opts, _batches(), stop_at=2)["losses"]
-    resumed = train_parallel(cfg, saved, opts, _batches(), resume_from=run_dir)["losses"]
+    first = fit_under_plan(cfg, saved, opts, _batches(), stop_at=2)["losses"]
+    resumed = fit_under_plan(cfg, saved, opts, _batches(), resume_from=run_dir)["losses"]
     return full, first, resumed
 
 
@@ -313,7 +313,7 @@ def test_dcp_resume_at_other_world_sizes(saved_run):
     (2 → 4: re-sharded experts and FSDP shards): step 3 equals the uninterrupted run within 1e-5."""
     run_dir, full, _, _ = saved_run
     step2 = os.path.join(run_dir, "ckpt-00000002")
-    one = train_parallel(ModelConfig.preset("tiny"), _train_cfg("muon"), ParallelOptions(), _batches(),
+    one = fit_under_plan(ModelConfig.preset("tiny"), _train_cfg("muon"), ParallelOptions(), _batches(),
                          resume_from=step2)["losses"]
     four = run_ranks(_resume_worker, 4, step2, 4, 2, "resume")[0]
     for got in (one, four):
