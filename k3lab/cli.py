@@ -28,7 +28,7 @@ import re
 import types
 import typing
 
-__all__ = ["add_dataclass_flags", "dataclass_from_flags", "flag_errors", "flag_name", "flags_for"]
+__all__ = ["add_dataclass_flags", "dataclass_from_flags", "field_value", "flag_errors", "flag_name", "flags_for"]
 
 
 def flag_name(field: str) -> str:
@@ -79,7 +79,8 @@ def _parse(inner, optional: bool, name: str):
         try:
             return inner(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a {inner.__name__}") from None
+            article = "an" if inner.__name__[0] in "aeiou" else "a"
+            raise argparse.ArgumentTypeError(f"{text!r} is not {article} {inner.__name__}") from None
     convert.__name__ = name  # argparse names the type in its message
     return convert
 
@@ -120,6 +121,34 @@ def dataclass_from_flags(cls, args: argparse.Namespace, **overrides):
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
     values.update(overrides)
     return cls(**values)
+
+
+_TRUE, _FALSE = ("on", "true", "yes", "1"), ("off", "false", "no", "0")
+
+
+def field_value(cls, name: str, text: str):
+    """The value ``text`` gives field ``name`` of dataclass ``cls``, typed as its flag would parse it: for settings
+    written as ``key=value`` outside the flags (``kernels/bench_train.py``'s ``MODEL-BxT@key=value``). A bool takes
+    on|off (true|false, yes|no, 1|0), a tuple its numbers separated by ``/`` (``betas=0.9/0.95``), ``X | None``
+    also ``none``, a dict JSON. Only the type is checked here (ValueError ``"Cls.name='text': reason"``); the
+    allowed values and ranges are the class's own: construct it."""
+    hints = typing.get_type_hints(cls)
+    if name not in {f.name for f in dataclasses.fields(cls) if f.init}:
+        raise ValueError(f"{cls.__name__} has no field {name!r}")
+    inner, optional = _optional(hints[name])
+    try:
+        if inner is bool:
+            if text.lower() not in _TRUE + _FALSE:
+                raise argparse.ArgumentTypeError(f"must be on|off ({'|'.join(_TRUE)} or {'|'.join(_FALSE)})")
+            return text.lower() in _TRUE
+        if typing.get_origin(inner) is tuple:
+            parts, kinds = [t for t in re.split(r"[/\s]+", text.strip()) if t], typing.get_args(inner)
+            if len(parts) != len(kinds):
+                raise argparse.ArgumentTypeError(f"must be {len(kinds)} numbers separated by '/'")
+            return tuple(_parse(kind, False, "number")(t) for kind, t in zip(kinds, parts))
+        return _parse(inner, optional, inner.__name__)(text)
+    except argparse.ArgumentTypeError as err:
+        raise ValueError(f"{cls.__name__}.{name}={text!r}: {err}") from None
 
 
 # "TrainConfig.lr=inf: reason" and "parallel dims: cp=3: reason" (k3lab.parallel.dims)

@@ -2,15 +2,30 @@
 
     python kernels/bench_train.py                                  # the four default configs, eager
     python kernels/bench_train.py --compile sublayer --fused-loss  # k3lab configs compiled per sublayer
+    python kernels/bench_train.py --param-dtype bfloat16 --moment-dtype bfloat16 --master-format split --cuda-graph
     python kernels/bench_train.py --configs small-4x4096 kda-anchor-8x4096 --steps 20 --json out.json
     python kernels/bench_train.py --device cpu --configs tiny-2x64 --steps 2 --warmup 1   # CPU smoke test
 
+Training settings: every :class:`k3lab.train.TrainConfig` field a benchmark sets is a flag (``--compile``, ``--recompute``,
+``--recompute-layers``, ``--fused-loss``, ``--cuda-graph``, ``--param-dtype``, ``--moment-dtype``,
+``--master-format``, ``--optimizer``, ``--lr``, ...; ``--help`` lists them), generated
+by :mod:`k3lab.cli`, so a field added to TrainConfig is a flag here and reaches every config's process. Left
+out (:data:`TRAIN_SKIP`): ``steps`` (here ``--steps`` counts the timed steps: fit runs 1 + ``--warmup`` +
+``--steps``), ``device`` (this script's own ``--device``, resolved in each config's process), ``log_every``
+(the timing needs every step), the evaluation, checkpoint and output fields (a benchmark writes no files and
+has no validation data), ``progress`` (off) and ``name`` (the config's). Defaults are TrainConfig's except
+:data:`TRAIN_DEFAULTS`: ``--dtype bfloat16``, ``--lr 1e-3``, ``--warmup-steps 0``. A bad value or combination
+ends as argparse does (``error: --flag: reason``, TrainConfig's own check), before any config runs.
+
 A config is ``MODEL-BxT`` (batch B of T tokens, synthetic random token ids, no downloads), optionally
-with per-config settings that override the command line's, e.g.
-``small-16x1024@compile=sublayer,recompute=selective,fused_loss=on,param_dtype=bfloat16`` or
-``kda-anchor-8x4096@recompute=mixer,recompute_layers=16`` (``TrainConfig.recompute_layers``); per config only:
-``cuda_graph=on`` and ``master_format=split`` (``TrainConfig.master_format``: the fp32 masters as the bf16
-weights plus int16 low halves; needs ``param_dtype=bfloat16``, AdamW, CUDA):
+with per-config settings that override the command line's: ``@key=value,...`` with any TrainConfig field
+that is a flag as the key, typed as its flag (bools ``on|off``, ``none`` for None, a tuple's numbers separated
+by ``/``; no value may hold a comma) and checked by constructing the config's TrainConfig, e.g.
+``small-16x1024@compile=sublayer,recompute=selective,fused_loss=on,param_dtype=bfloat16``,
+``kda-anchor-8x4096@recompute=mixer,recompute_layers=16`` or ``small-16x1024@cuda_graph=on,master_format=split``
+(``TrainConfig.master_format``: the fp32 masters as the bf16 weights plus int16 low halves; needs
+``param_dtype=bfloat16``, AdamW, CUDA). fla's model ignores the k3lab-only ones (:data:`FLA_SETTINGS`: its
+row shows what it ran with). Models:
 
 * ``small``      the ``small`` preset (hybrid KDA + Gated MLA, LatentMoE, Attention Residuals);
 * ``kda-anchor`` a pure-KDA dense k3lab model shaped like fla's anchor: 24 layers, D = 1024, 8 KDA heads
@@ -20,8 +35,9 @@ weights plus int16 low halves; needs ``param_dtype=bfloat16``, AdamW, CUDA):
   float32``). Skipped, with the reason in its row, without CUDA or without fla;
 * ``tiny``       the ``tiny`` preset (CPU tests).
 
-``@via=fit`` / ``@via=cli`` (``small`` and ``tiny``): the one training loop reached two ways, on the same
-model (built on the CPU from seed 0, as the command line builds it) and the same batches
+``@via=fit`` / ``@via=cli`` (``small`` and ``tiny``; a benchmark option, not a TrainConfig field): the one
+training loop reached two ways, on the same model (built on the CPU from seed 0, as the command line builds
+it) and the same batches
 (``k3lab.parallel.run.batches_for("random", ...)``): ``fit`` called in the process, or the command line
 ``torchrun --standalone --nproc_per_node 1 -m k3lab.parallel.run`` with every setting passed as the flags
 ``k3lab.cli.flags_for`` makes of the same TrainConfig. The table's last lines give CLI ÷ fit for tokens/s
@@ -31,10 +47,10 @@ Defaults: ``small-16x1024 small-8x4096 kda-anchor-8x4096 fla-kda-anchor-8x4096``
 
 Every config trains in a fresh process (so no memory, compile cache or autotuning state carries over)
 through ``k3lab.train.fit`` — the trainer itself: bf16 autocast (``--dtype``) with fp32 weights, or bf16
-weights and fp32 master weights with ``--param-dtype bfloat16`` (``TrainConfig.param_dtype``, k3lab models;
-needs ``--dtype bfloat16``), grad-norm clip 1.0, ``--optimizer`` from ``k3lab.optim.build_optimizer`` (the
-same for fla's model), ``--compile`` (``TrainConfig.compile``; k3lab models only),
-``TrainConfig.fused_loss`` with ``--fused-loss`` (k3lab models; fla's model always fuses its loss). Steps: 1
+weights and fp32 master weights with ``--param-dtype bfloat16`` (k3lab models; needs ``--dtype bfloat16``),
+grad-norm clip ``--grad-clip`` (1.0), ``--optimizer`` from ``k3lab.optim.build_optimizer`` at ``--lr`` without
+warm-up (the same for fla's model), ``--compile`` (k3lab models only), ``--fused-loss`` (k3lab models; fla's
+model always fuses its loss). Steps: 1
 first step (compilation, autotuning: "first step s"), ``--warmup`` untimed steps, then ``--steps`` timed
 ones; ms/step is the median over the timed steps of fit's own per-step clock (fit reads the loss, the grad norm and the metrics back once a step, after backward).
 tokens/s = B·T / step time. MFU = 6 · active parameters · tokens/s ÷ ``--peak-flops`` (default 790e12: the
@@ -88,11 +104,9 @@ ROOT = os.path.dirname(HERE)
 if ROOT not in sys.path:  # run as a script from anywhere: the repo's k3lab first
     sys.path.insert(0, ROOT)
 
-from k3lab.compile import COMPILE_MODES  # noqa: E402
+from k3lab.cli import add_dataclass_flags, field_value, flag_errors, flags_for  # noqa: E402
 from k3lab.config import DEVICES, DTYPES  # noqa: E402
-from k3lab.memory import RECOMPUTE_MODES  # noqa: E402
-from k3lab.precision import MASTER_FORMATS, MOMENT_DTYPES, PARAM_DTYPES  # noqa: E402
-from k3lab.train import OPTIMIZERS, PRECISIONS  # noqa: E402
+from k3lab.train import TrainConfig  # noqa: E402
 
 MODELS = ("small", "kda-anchor", "fla-kda-anchor", "tiny")
 DEFAULT_CONFIGS = ("small-16x1024", "small-8x4096", "kda-anchor-8x4096", "fla-kda-anchor-8x4096")
@@ -109,23 +123,61 @@ class Spec:
     model: str
     B: int
     T: int
-    options: tuple = ()  # ((key, value), ...) from "@key=value,...": overrides of the same-named command-line options
+    options: tuple = ()  # ((key, value text), ...) from "@key=value,...": overrides of the command line's settings
 
     def option(self, key: str, default):
         return dict(self.options).get(key, default)
 
-
-OPTIONS = {"compile": COMPILE_MODES, "recompute": RECOMPUTE_MODES, "fused_loss": ("on", "off"),
-           "param_dtype": PARAM_DTYPES, "moment_dtype": MOMENT_DTYPES, "master_format": MASTER_FORMATS,
-           "cuda_graph": ("on", "off"), "recompute_layers": ("N (an int >= 0)",), "via": ("fit", "cli")}
-INT_OPTIONS = ("recompute_layers",)  # options whose value is an int, not one of a list
+    def train_options(self) -> dict:
+        """The config's own TrainConfig settings, typed as their flags (the benchmark options left out)."""
+        return {k: field_value(TrainConfig, k, v) for k, v in self.options if k not in BENCH_OPTIONS}
 
 
-def parse_config(name: str) -> Spec:
-    """``MODEL-BxT[@key=value,...]`` -> Spec; ValueError naming the allowed forms otherwise. The options
-    (:data:`OPTIONS`: compile, recompute, fused_loss, param_dtype, moment_dtype) override the command-line settings for
-    this config; master_format, cuda_graph and recompute_layers exist only here (fla's model ignores them all: its
-    row shows what it ran with)."""
+# TrainConfig fields that are not flags here (every other field is one, through k3lab.cli; see the docstring):
+# steps: --steps counts the timed steps (fit runs 1 + --warmup + --steps); device: this script's own --device,
+# resolved in each config's process; log_every: the timing needs every step's record; eval_*, checkpoint_every,
+# keep_checkpoints, out_dir: a benchmark has no validation data and writes no files; progress: off (the output is
+# the table); name: the config's name
+TRAIN_SKIP = ("steps", "device", "log_every", "eval_every", "eval_batches", "checkpoint_every", "keep_checkpoints",
+              "out_dir", "progress", "name")
+TRAIN_DEFAULTS = {"dtype": "bfloat16", "lr": 1e-3, "warmup_steps": 0}  # where the benchmark differs from TrainConfig
+BENCH_OPTIONS = {"via": ("fit", "cli")}  # per-config options that are not TrainConfig fields
+# fla's model: the k3lab-only settings, whatever the command line or the config says (its row shows them)
+FLA_SETTINGS = dict(param_dtype="float32", moment_dtype="float32", master_format="float32", compile="none",
+                    recompute="none", recompute_layers=None, cuda_graph=False, fused_loss=False)
+_FIELD_ERROR = re.compile(r"^TrainConfig\.(\w+)=.*?: (.*)$", re.S)
+
+
+def train_flags() -> tuple[str, ...]:
+    """The TrainConfig fields that are flags (and ``@key=value`` keys) here: all but :data:`TRAIN_SKIP`."""
+    import dataclasses
+
+    return tuple(f.name for f in dataclasses.fields(TrainConfig) if f.init and f.name not in TRAIN_SKIP)
+
+
+def train_settings(args) -> dict:
+    """The command line's TrainConfig settings (over :data:`TRAIN_DEFAULTS`), with fit's step count
+    (1 + warm-up + timed) and no progress bar."""
+    values = dict(TRAIN_DEFAULTS, **{k: getattr(args, k) for k in train_flags() if hasattr(args, k)})
+    return dict(values, steps=1 + args.warmup + args.steps, progress=False)
+
+
+def train_config(spec: Spec, base: dict, **fixed) -> TrainConfig:
+    """The TrainConfig of config ``spec``: the command line's settings ``base``, the config's own ``@key=value``
+    over them, then ``fixed``. TrainConfig's validation; its ValueError named after the config (and the option)."""
+    try:
+        return TrainConfig(**{**base, **spec.train_options(), **fixed})
+    except ValueError as err:
+        m = _FIELD_ERROR.match(str(err))
+        item = next((f"{k}={v}" for k, v in spec.options if m and k == m.group(1)), None)
+        raise ValueError(f"config {spec.name!r}: " + (f"option {item!r}: {m.group(2)}" if item else str(err))) from None
+
+
+def parse_config(name: str, base: dict | None = None) -> Spec:
+    """``MODEL-BxT[@key=value,...]`` -> Spec; ValueError naming the allowed forms otherwise. The options (any
+    TrainConfig field that is a flag: :func:`train_flags`; and ``via=fit|cli``) override the command line's
+    settings ``base`` (default: :data:`TRAIN_DEFAULTS`) for this config; the values are checked by constructing
+    the config's TrainConfig (:func:`train_config`)."""
     m = re.fullmatch(r"(.+?)-(\d+)x(\d+)(?:@(.+))?", name)
     if m is None or m.group(1) not in MODELS or int(m.group(2)) < 1 or int(m.group(3)) < 2:
         raise ValueError(f"config {name!r}: must be MODEL-BxT[@key=value,...] with MODEL in {MODELS}, B >= 1, "
@@ -133,12 +185,22 @@ def parse_config(name: str) -> Spec:
     options = []
     for item in filter(None, (m.group(4) or "").split(",")):
         key, _, value = item.partition("=")
-        ok = value.isdigit() if key in INT_OPTIONS else value in OPTIONS.get(key, ())
-        if key not in OPTIONS or not ok:
-            raise ValueError(f"config {name!r}: option {item!r}: allowed are "
-                             + "; ".join(f"{k}={'|'.join(v)}" for k, v in OPTIONS.items()))
+        if key in BENCH_OPTIONS:
+            if value not in BENCH_OPTIONS[key]:
+                raise ValueError(f"config {name!r}: option {item!r}: allowed values are {'|'.join(BENCH_OPTIONS[key])}")
+        elif key in train_flags():
+            try:
+                field_value(TrainConfig, key, value)
+            except ValueError as err:
+                raise ValueError(f"config {name!r}: option {item!r}: {str(err).split(': ', 1)[-1]}") from None
+        else:
+            bench = ", ".join(f"{k}={'|'.join(v)}" for k, v in BENCH_OPTIONS.items())
+            raise ValueError(f"config {name!r}: option {item!r}: the keys are TrainConfig's fields "
+                             f"({', '.join(train_flags())}) and {bench}")
         options.append((key, value))
-    return Spec(name, m.group(1), int(m.group(2)), int(m.group(3)), tuple(options))
+    spec = Spec(name, m.group(1), int(m.group(2)), int(m.group(3)), tuple(options))
+    train_config(spec, TRAIN_DEFAULTS if base is None else base)  # the values: TrainConfig's own check
+    return spec
 
 
 # ----------------------------------------------------------------------------------------------
@@ -208,27 +270,26 @@ def run_config(spec: Spec, args) -> dict:
     import torch
 
     from k3lab.backend import resolve_device
-    from k3lab.train import TrainConfig, TrainingDiverged, fit
+    from k3lab.train import TrainingDiverged, fit
 
     device = resolve_device(args.device)
     is_fla = spec.model == "fla-kda-anchor"
+    fla_fixed = dict(FLA_SETTINGS, **({"dtype": "float32"} if args.fla_weights == "bfloat16" else {})) if is_fla else {}
+    cfg = train_config(spec, train_settings(args), device=str(device), name=spec.name, **fla_fixed)
     row = dict(config=spec.name, model="fla" if is_fla else "k3lab", B=spec.B, T=spec.T, tokens_per_step=spec.B * spec.T,
                device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-               torch=torch.__version__, dtype=args.dtype, optimizer=args.optimizer,
-               compile="none" if is_fla else spec.option("compile", args.compile),
-               recompute="none" if is_fla else spec.option("recompute", args.recompute), status="ok")
-    if not is_fla and spec.option("cuda_graph", "off") == "on":
+               torch=torch.__version__, dtype=cfg.dtype, optimizer=cfg.optimizer, compile=cfg.compile,
+               recompute=cfg.recompute, status="ok")
+    if cfg.cuda_graph:
         row["cuda_graph"] = True
-    layers = None if is_fla else spec.option("recompute_layers", None)
-    if layers is not None:
-        row["recompute_layers"] = int(layers)
+    if cfg.recompute_layers is not None:
+        row["recompute_layers"] = cfg.recompute_layers
     try:
         import triton
 
         row["triton"] = triton.__version__
     except ImportError:
         pass
-    fused_loss = not is_fla and spec.option("fused_loss", "on" if args.fused_loss else "off") == "on"
     if is_fla:
         if device.type != "cuda":
             return dict(row, status="skipped: fla's kernels need CUDA")
@@ -243,14 +304,11 @@ def run_config(spec: Spec, args) -> dict:
     try:
         model, active, total = build_model(spec, args, device)
         row.update(params_active=active, params_total=total)
-        param_dtype = "float32" if is_fla else spec.option("param_dtype", args.param_dtype)
-        moment_dtype = "float32" if is_fla else spec.option("moment_dtype", args.moment_dtype)
-        master_format = "float32" if is_fla else spec.option("master_format", "float32")
         if not is_fla:
-            master = " (split fp32 master)" if master_format == "split" else " (fp32 master)"
-            row["weights"] = (param_dtype + (master if param_dtype != "float32" else "")
-                              + (f", {moment_dtype} moments" if moment_dtype != "float32" else ""))
-            row["fused_loss"] = "on" if fused_loss else "off"
+            master = " (split fp32 master)" if cfg.master_format == "split" else " (fp32 master)"
+            row["weights"] = (cfg.param_dtype + (master if cfg.param_dtype != "float32" else "")
+                              + (f", {cfg.moment_dtype} moments" if cfg.moment_dtype != "float32" else ""))
+            row["fused_loss"] = "on" if cfg.fused_loss else "off"
         vocab = model.config.vocab_size
         gen = torch.Generator(device=device).manual_seed(1)
 
@@ -263,13 +321,6 @@ def run_config(spec: Spec, args) -> dict:
         if device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
-        steps = 1 + args.warmup + args.steps
-        dtype = "float32" if is_fla and args.fla_weights == "bfloat16" else args.dtype
-        cfg = TrainConfig(steps=steps, lr=1e-3, warmup_steps=0, optimizer=args.optimizer, device=str(device),
-                          dtype=dtype, param_dtype=param_dtype, moment_dtype=moment_dtype, master_format=master_format,
-                          cuda_graph=bool(row.get("cuda_graph")), fused_loss=fused_loss, compile=row["compile"],
-                          recompute=row["recompute"], recompute_layers=row.get("recompute_layers"),
-                          progress=False, name=spec.name)
         via = None if is_fla else spec.option("via", None)
         t0 = time.perf_counter()
         try:
@@ -386,12 +437,12 @@ def use_autotune_cache(tgz: str) -> str:
 
 
 def child_command(name: str, out: str, args) -> list[str]:
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", name, "--child-out", out,
-           "--steps", str(args.steps), "--warmup", str(args.warmup), "--dtype", args.dtype,
-           "--optimizer", args.optimizer, "--compile", args.compile, "--recompute", args.recompute,
-           "--param-dtype", args.param_dtype, "--moment-dtype", args.moment_dtype, "--device", args.device,
-           "--peak-flops", repr(args.peak_flops), "--fla-weights", args.fla_weights]
-    return cmd + (["--fused-loss"] if args.fused_loss else [])
+    """The command that runs config ``name`` in a fresh process: this script's own flags, and every TrainConfig
+    setting of the command line as the flags :func:`k3lab.cli.flags_for` makes of it (a new field included)."""
+    return [sys.executable, os.path.abspath(__file__), "--child", name, "--child-out", out,
+            "--steps", str(args.steps), "--warmup", str(args.warmup), "--device", args.device,
+            "--peak-flops", repr(args.peak_flops), "--fla-weights", args.fla_weights,
+            *flags_for(TrainConfig(**train_settings(args)), skip=TRAIN_SKIP)]
 
 
 def run_in_child(name: str, args) -> dict:
@@ -411,27 +462,14 @@ def run_in_child(name: str, args) -> dict:
                                         + (" (killed: out of host memory?)" if code in (-9, 137) else ""))
 
 
-def main(argv=None):
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", nargs="+", default=list(DEFAULT_CONFIGS), metavar="MODEL-BxT",
                         help=f"configs to run, in order; MODEL in {MODELS} (default: %(default)s)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps (default %(default)s)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps after the first one (default %(default)s)")
-    parser.add_argument("--dtype", default="bfloat16", choices=DTYPES,
-                        help="k3lab: autocast dtype (TrainConfig.dtype; default %(default)s)")
-    parser.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
-    parser.add_argument("--compile", default="none", choices=COMPILE_MODES,
-                        help="TrainConfig.compile for the k3lab configs (default %(default)s)")
-    parser.add_argument("--recompute", default="none", choices=RECOMPUTE_MODES,
-                        help="TrainConfig.recompute for the k3lab configs (k3lab.memory; default %(default)s)")
-    parser.add_argument("--moment-dtype", default="float32", choices=MOMENT_DTYPES,
-                        help="k3lab: AdamW moment dtype (TrainConfig.moment_dtype; bfloat16 needs param_dtype bfloat16)")
-    parser.add_argument("--param-dtype", default="float32", choices=PARAM_DTYPES,
-                        help="k3lab: weight dtype (TrainConfig.param_dtype): bfloat16 = bf16 weights with fp32 master "
-                             "weights, needs --dtype bfloat16 (default %(default)s)")
-    parser.add_argument("--fused-loss", action="store_true",
-                        help="TrainConfig.fused_loss = True for the k3lab configs (chunked linear cross-entropy)")
-    parser.add_argument("--device", default="auto", choices=DEVICES)
+    parser.add_argument("--device", default="auto", choices=DEVICES,
+                        help="where every config trains (resolved in its process; default %(default)s)")
     parser.add_argument("--peak-flops", type=float, default=PEAK_FLOPS,
                         help="the FLOP/s that MFU divides by (default 790e12: H200 bf16 dense, measured)")
     parser.add_argument("--fla-weights", default="bfloat16", choices=DTYPES,
@@ -443,18 +481,20 @@ def main(argv=None):
     parser.add_argument("--json", default=None, help="write every row (and the settings) to this file")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
+    add_dataclass_flags(parser, TrainConfig, skip=TRAIN_SKIP, defaults=TRAIN_DEFAULTS,
+                        title="training (k3lab.train.TrainConfig; per config: @key=value)")
+    return parser
+
+
+def main(argv=None):
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.steps < 1 or args.warmup < 0:
         parser.error("--steps must be >= 1 and --warmup >= 0")
-    try:
-        specs = [parse_config(name) for name in ([args.child] if args.child else args.configs)]
-    except ValueError as err:
-        parser.error(str(err))
-    for spec in specs:  # fit's rule (k3lab.train.PRECISIONS), checked before any child starts
-        pair = (args.dtype, spec.option("param_dtype", args.param_dtype))
-        if spec.model != "fla-kda-anchor" and pair not in PRECISIONS:
-            parser.error(f"config {spec.name!r}: param_dtype={pair[1]!r} needs --dtype bfloat16, got --dtype {pair[0]!r} "
-                         f"(allowed (dtype, param_dtype) combinations: {PRECISIONS})")
+    with flag_errors(parser):  # TrainConfig's own checks, before any child starts: "error: --flag: reason"
+        base = train_settings(args)
+        TrainConfig(**base)
+        specs = [parse_config(name, base) for name in ([args.child] if args.child else args.configs)]
 
     if args.child:  # one config, in this fresh process
         row = run_config(specs[0], args)
@@ -467,10 +507,10 @@ def main(argv=None):
     peak_source = PEAK_SOURCE if args.peak_flops == PEAK_FLOPS else f"{args.peak_flops / 1e12:g} TFLOP/s (--peak-flops)"
     rows = []
     for spec in specs:
-        print(f"== {spec.name}: {1 + args.warmup + args.steps} steps (1 first, {args.warmup} warm-up, {args.steps} timed), "
-              f"dtype {args.dtype}, {args.optimizer}, compile {spec.option('compile', args.compile)}, "
-              f"recompute {spec.option('recompute', args.recompute)}, "
-              f"param_dtype {spec.option('param_dtype', args.param_dtype)}", flush=True)
+        cfg = train_config(spec, base)
+        print(f"== {spec.name}: {cfg.steps} steps (1 first, {args.warmup} warm-up, {args.steps} timed), "
+              f"dtype {cfg.dtype}, {cfg.optimizer}, compile {cfg.compile}, recompute {cfg.recompute}, "
+              f"param_dtype {cfg.param_dtype}", flush=True)
         if spec.model == "fla-kda-anchor" and (args.device == "cpu" or importlib.util.find_spec("fla") is None):
             row = dict(config=spec.name, model="fla", B=spec.B, T=spec.T, compile="none",
                        status="skipped: fla's kernels need CUDA" if args.device == "cpu" else

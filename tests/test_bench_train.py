@@ -1,6 +1,5 @@
 """kernels/bench_train.py: config names, the table, and a CPU run at a tiny size (the benchmark itself is for a GPU)."""
 
-import importlib.util
 import json
 import math
 import subprocess
@@ -9,15 +8,13 @@ from pathlib import Path
 
 import pytest
 
+from k3lab.testing import load_script
+
 BENCH = Path(__file__).resolve().parents[1] / "kernels" / "bench_train.py"
 
 
 def load_bench():
-    spec = importlib.util.spec_from_file_location("bench_train", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_script(BENCH, "bench_train")
 
 
 def test_config_names():
@@ -32,38 +29,109 @@ def test_config_names():
     spec = bench.parse_config("small-16x1024@compile=sublayer,recompute=selective")
     assert (spec.model, spec.B, spec.T) == ("small", 16, 1024)
     assert spec.option("recompute", "none") == "selective" and spec.option("fused_loss", "off") == "off"
-    with pytest.raises(ValueError, match="option 'recompute=all'.*recompute=none|selective|sublayer"):
+    with pytest.raises(ValueError, match=r"option 'recompute=all': allowed values are \('none', 'selective', 'mixer', "
+                                         r"'sublayer'\)"):  # TrainConfig's own check and its allowed values
         bench.parse_config("small-16x1024@recompute=all")
     spec = bench.parse_config("kda-anchor-8x4096@recompute=mixer,recompute_layers=16")
     assert spec.option("recompute", "none") == "mixer" and spec.option("recompute_layers", None) == "16"
-    with pytest.raises(ValueError, match=r"option 'recompute_layers=half'.*recompute_layers=N \(an int >= 0\)"):
+    with pytest.raises(ValueError, match=r"option 'recompute_layers=half': 'half' is not an int"):
         bench.parse_config("small-16x1024@recompute=sublayer,recompute_layers=half")
+    with pytest.raises(ValueError, match=r"option 'recompute_layers=-1': must be None \(all layers\) or an int >= 0"):
+        bench.parse_config("small-16x1024@recompute=sublayer,recompute_layers=-1")
+    with pytest.raises(ValueError, match=r"option 'recompute_layers=4': needs TrainConfig.recompute in"):
+        bench.parse_config("small-16x1024@recompute_layers=4")  # a combination: TrainConfig's own rule
+    with pytest.raises(ValueError, match=r"option 'lr_max=1': the keys are TrainConfig's fields \(lr, .*via=fit\|cli"):
+        bench.parse_config("small-16x1024@lr_max=1")
+    for skipped in ("steps=3", "out_dir=x"):  # not settings of a benchmark (TRAIN_SKIP)
+        with pytest.raises(ValueError, match="the keys are TrainConfig's fields"):
+            bench.parse_config(f"small-16x1024@{skipped}")
+    with pytest.raises(ValueError, match=r"option 'via=both': allowed values are fit\|cli"):
+        bench.parse_config("tiny-2x8@via=both")
+    spec = bench.parse_config("tiny-2x8@cuda_graph=on,master_format=split,param_dtype=bfloat16,betas=0.8/0.9,lr=2e-3")
+    assert spec.train_options() == dict(cuda_graph=True, master_format="split", param_dtype="bfloat16",
+                                        betas=(0.8, 0.9), lr=2e-3)
 
 
 def test_param_dtype_option():
     bench = load_bench()
     spec = bench.parse_config("tiny-2x8@param_dtype=bfloat16,fused_loss=on")
     assert spec.option("param_dtype", "float32") == "bfloat16" and spec.option("fused_loss", "off") == "on"
-    with pytest.raises(ValueError, match="option 'param_dtype=float16'.*param_dtype=float32|bfloat16"):
+    with pytest.raises(ValueError, match=r"option 'param_dtype=float16': allowed values are \('float32', 'bfloat16'\)"):
         bench.parse_config("tiny-2x8@param_dtype=float16")
 
 
-@pytest.mark.parametrize("argv", [["--configs", "tiny-2x8@param_dtype=bfloat16"],
-                                  ["--configs", "tiny-2x8", "--param-dtype", "bfloat16"]])
-def test_bf16_params_need_bf16_autocast(argv, capsys):
-    with pytest.raises(SystemExit):
+@pytest.mark.parametrize("argv, where", [
+    (["--configs", "tiny-2x8@param_dtype=bfloat16"], "error: config 'tiny-2x8@param_dtype=bfloat16': option 'param_dtype=bfloat16': "),
+    (["--configs", "tiny-2x8", "--param-dtype", "bfloat16"], "error: --param-dtype: ")])
+def test_bf16_params_need_bf16_autocast(argv, where, capsys):
+    """TrainConfig's own rule, before any child starts; the error names the per-config option or the flag."""
+    with pytest.raises(SystemExit) as exit_:
         load_bench().main(argv + ["--dtype", "float32", "--device", "cpu"])
-    assert "param_dtype='bfloat16' needs --dtype bfloat16" in capsys.readouterr().err
+    assert exit_.value.code == 2
+    assert where + "needs TrainConfig.dtype='bfloat16' (bf16 autocast), got TrainConfig.dtype='float32'" \
+        in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--lr", "-1"], "error: --lr: must be a finite number > 0"),
+    (["--recompute", "all"], "error: argument --recompute: invalid choice: 'all'"),
+    (["--warmup-steps", "9"], "error: --warmup-steps: must be None or an int in [0, steps=5]"),  # 1 + 1 + 3 steps
+    (["--moment-dtype", "bfloat16"], "error: --moment-dtype: 'bfloat16' needs TrainConfig.param_dtype='bfloat16'")])
+def test_bad_training_flags_end_as_argparse_does(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        load_bench().main(["--configs", "tiny-2x8", "--device", "cpu", "--steps", "3", "--warmup", "1"] + argv)
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def _train_fields():
+    import dataclasses
+
+    from k3lab.train import TrainConfig
+
+    return {f.name for f in dataclasses.fields(TrainConfig) if f.init}
+
+
+def load_profile():
+    return load_script(BENCH.parent / "profile_train_step.py", "profile_train_step")
+
+
+@pytest.mark.parametrize("load", [load_bench, load_profile], ids=["bench_train", "profile_train_step"])
+def test_every_train_config_field_is_a_flag(load):
+    """One home for each knob: every TrainConfig field but the script's documented TRAIN_SKIP is a flag of its
+    parser, generated by k3lab.cli (its allowed values TrainConfig.CHOICES'), so a new field is a flag there."""
+    from k3lab.cli import flag_name
+    from k3lab.train import TrainConfig
+
+    script = load()
+    parser = script.build_parser()
+    assert set(script.TRAIN_SKIP) <= _train_fields(), "TRAIN_SKIP names a field TrainConfig no longer has"
+    by_flag = parser._option_string_actions
+    for name in sorted(_train_fields() - set(script.TRAIN_SKIP)):
+        assert flag_name(name) in by_flag, f"TrainConfig.{name} is not a flag of {script.__name__} (nor in its TRAIN_SKIP)"
+        action = by_flag[flag_name(name)]
+        assert action.dest == name and action.choices == TrainConfig.CHOICES.get(name, action.choices), name
+
+
+def test_child_gets_every_training_setting():
+    """The child process's command carries every TrainConfig setting of the command line (k3lab.cli.flags_for):
+    parsed back by the same parser, the same TrainConfig."""
+    bench = load_bench()
+    parser = bench.build_parser()
+    args = parser.parse_args(["--configs", "tiny-2x8", "--device", "cpu", "--dtype", "bfloat16", "--param-dtype",
+                              "bfloat16", "--master-format", "split", "--cuda-graph", "--fused-loss", "--lr", "0.002",
+                              "--betas", "0.8", "0.9", "--recompute", "mixer", "--recompute-layers", "3",
+                              "--optimizer-kwargs", '{"eps": 1e-06}', "--seed", "7", "--warmup-steps", "none"])
+    cmd = bench.child_command("tiny-2x8", "row.json", args)
+    assert cmd[2:4] == ["--child", "tiny-2x8"]
+    child = parser.parse_args(cmd[2:])
+    assert bench.train_settings(child) == bench.train_settings(args)
+    assert set(bench.train_settings(args)) == _train_fields() - set(bench.TRAIN_SKIP) | {"steps", "progress"}
 
 
 def test_run_config_bf16_params_and_fused_loss_through_train_config():
     """One config in this process (no child): bf16 weights with fp32 masters and the fused loss, via TrainConfig."""
-    import argparse
-
     bench = load_bench()
-    args = argparse.Namespace(device="cpu", dtype="bfloat16", param_dtype="float32", moment_dtype="float32", optimizer="adamw", compile="none",
-                              recompute="none", fused_loss=False, steps=1, warmup=0, peak_flops=bench.PEAK_FLOPS,
-                              fla_weights="bfloat16")
+    args = bench.build_parser().parse_args(["--device", "cpu", "--dtype", "bfloat16", "--steps", "1", "--warmup", "0"])
     row = bench.run_config(bench.parse_config("tiny-1x8@param_dtype=bfloat16,fused_loss=on"), args)
     assert row["status"] == "ok", row["status"]
     assert row["weights"] == "bfloat16 (fp32 master)" and row["fused_loss"] == "on"
