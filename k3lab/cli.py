@@ -110,7 +110,8 @@ def add_dataclass_flags(parser: argparse.ArgumentParser, cls, skip=(), defaults:
                                     for i in range(len(typing.get_args(inner)))))
         else:
             kw["type"] = _parse(inner, optional, inner.__name__)
-            kw["metavar"] = "JSON" if inner is dict else inner.__name__.upper()
+            if f.name not in choices:  # with choices argparse shows them: {a,b,c}
+                kw["metavar"] = "JSON" if inner is dict else inner.__name__.upper()
         group.add_argument(flag_name(f.name), **kw)
         names.append(f.name)
     return names

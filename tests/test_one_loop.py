@@ -250,3 +250,23 @@ def test_a_stalled_rank_is_named_within_the_timeout():
         except OSError:
             continue
     assert not left, f"processes left running: {left}"
+
+
+def _eval_worker(rank, world):
+    cfg = ModelConfig.preset("tiny").replace(num_nextn_predict_layers=1)
+    result = fit(lambda: K3ForCausalLM(cfg), _batches(), _cfg(eval_every=2, eval_batches=2),
+                 val_batches=_batches(seed=1), parallel=ParallelOptions(cp=2))
+    return result.column("val_loss")
+
+
+def test_evaluation_under_the_plan_equals_one_process():
+    """Validation under context parallelism (each rank evaluates its slice of every global batch, the shares summed)
+    gives the one-process validation loss."""
+    ranks = run_ranks(_eval_worker, 2)
+    cfg = ModelConfig.preset("tiny").replace(num_nextn_predict_layers=1)
+    torch.manual_seed(0)
+    one = fit(K3ForCausalLM(cfg), _batches(), _cfg(eval_every=2, eval_batches=2), val_batches=_batches(seed=1))
+    steps, ref = one.column("val_loss")
+    assert ranks[0] == ranks[1] and ranks[0][0] == steps == [2, 3]
+    for a, b in zip(ranks[0][1], ref):
+        assert abs(a - b) / b < 1e-5, (ranks[0][1], ref)

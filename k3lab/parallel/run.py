@@ -19,7 +19,8 @@ Several nodes: the same command on every node with ``--nnodes N --node_rank i --
 ``--metrics`` (rank 0) writes :meth:`k3lab.train.TrainResult.summary` as JSON: ``world_size``, ``dims``,
 ``losses`` (per-step global training loss), ``grad_norms``, ``step_times``, ``tokens_per_s`` (steps 2..),
 ``expert_loads`` (per MoE layer, per expert, global), ``slots_per_rank`` (per MoE layer, token slots each
-EP rank computed), ``history``. The notebook launcher is :func:`k3lab.parallel.launch.launch`.
+EP rank computed), ``history`` (with ``val_loss`` every ``--eval-every N`` steps and at the end when N > 0: the
+data's validation split, each rank evaluating its part of every global batch). The notebook launcher is :func:`k3lab.parallel.launch.launch`.
 """
 from __future__ import annotations
 
@@ -90,20 +91,25 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def batches_for(data: str, cfg: ModelConfig, batch_size: int, seq_len: int, seed: int):
-    """The global batch stream: ``step -> (x, y)`` (same on every rank)."""
+def batches_for(data: str, cfg: ModelConfig, batch_size: int, seq_len: int, seed: int, split: str = "train"):
+    """The global batch stream ``step -> (x, y)`` (the same on every rank) of the training or the validation
+    ``split``: the KJV corpus's training part or its last 1% (``k3lab.data.corpus_splits``), or random token ids
+    (validation: another stream of them)."""
     import torch
 
     from k3lab.data import batch_iterator, corpus_splits, get_tokenizer
 
+    if split not in ("train", "val"):
+        raise ValueError(f"batches_for: split={split!r}: allowed values are ('train', 'val')")
     if data == "corpus":
         tok = get_tokenizer("bpe")
         if tok.vocab_size != cfg.vocab_size:
             raise ValueError(f"RunOptions.data='corpus': the BPE tokenizer has {tok.vocab_size} tokens, the model "
                              f"vocab_size={cfg.vocab_size}; use --data random")
-        ids = corpus_splits(tok)[0]
+        ids = corpus_splits(tok)[0 if split == "train" else 1]
     else:
-        ids = torch.randint(0, cfg.vocab_size, (200_000,), generator=torch.Generator().manual_seed(seed))
+        gen = torch.Generator().manual_seed(seed if split == "train" else seed + 1_000_003)
+        ids = torch.randint(0, cfg.vocab_size, (200_000 if split == "train" else 20_000,), generator=gen)
     return batch_iterator(ids, batch_size, seq_len, seed=seed)
 
 
@@ -120,6 +126,7 @@ def main(argv=None) -> dict:
         opts = dataclass_from_flags(ParallelOptions, args)
         cfg = run.model_config()
         batches = batches_for(run.data, cfg, run.batch_size, run.seq_len, train_cfg.seed)
+        val = batches_for(run.data, cfg, run.batch_size, run.seq_len, train_cfg.seed, split="val")
     rank = int(os.environ.get("RANK", "0"))
     def hook(step, row):  # the lines launch()'s progress bar follows
         if args.progress_lines and rank == 0:
@@ -129,7 +136,8 @@ def main(argv=None) -> dict:
     started = init_process_group_from_env(device_type, opts.timeout)
     try:
         with flag_errors(parser):
-            result = fit(lambda: K3ForCausalLM(cfg), batches, train_cfg, resume_from=args.resume,
+            result = fit(lambda: K3ForCausalLM(cfg), batches, train_cfg, val_batches=val if train_cfg.eval_every else None,
+                         resume_from=args.resume,
                          stop_at=args.stop_at, parallel=opts, on_step=hook, data=run.data)
     except TrainingDiverged as err:
         print(f"error: {err}", file=sys.stderr)
