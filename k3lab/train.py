@@ -1,6 +1,16 @@
-"""The k3lab training loop: one process, any causal LM, exact resume, never unpickles.
+"""The k3lab training loop — the only one: one process or one rank of many, any causal LM, exact resume,
+never unpickles.
 
     result = fit(model, batch_iterator(train_ids, 16, 128), TrainConfig(steps=200), val_batches=...)
+    result = fit(lambda: K3ForCausalLM(cfg), batches, TrainConfig(...), parallel=ParallelOptions(ep=2))  # torchrun
+
+With ``parallel`` (:class:`k3lab.parallel.parallelize.ParallelOptions`) the model is built and laid out by the
+parallel plan (EP -> CP -> recompute -> compile -> FSDP2, :func:`k3lab.parallel.parallelize.parallelize`) over the
+initialised process group, and the same step runs on every rank: this rank's part of the global batch, its share
+of the global loss, the expert gradients summed over their replicas, the global clip, one all-reduce of the
+logged values, QK-Clip from the MAX-reduced logits. World size 1 (no group, or ``torchrun --nproc_per_node 1``)
+is the one-process step itself. ``python -m k3lab.parallel.run`` is this function's command line
+(docs/training.md, section "One loop for every world size").
 
 Per step ``s`` (0-based): ``lr = cosine_lr(s, steps, warmup, lr, min_lr_ratio)`` for every group
 (K3: cosine, 1% linear warmup, weight decay 0.1), ``loss = model(x, labels=y).loss`` (under bf16

@@ -1,7 +1,9 @@
 """Inference with the hybrid cache (docs/inference.md).
 
 * :mod:`k3lab.infer.generate` — :func:`generate` / :func:`stream`: a batch of prompts of any lengths,
-  chunked prefill, batched decoding, sampling (temperature, top-k, top-p, stop);
+  chunked prefill, batched decoding, sampling (temperature, top-k, top-p, stop, EOS);
+* :mod:`k3lab.infer.step` — what the decoding paths share: :func:`prefill_rows`, the MTP step,
+  :class:`Prefilled`, :class:`GenerationStats` (imports run one way: step <- prefix, speculative <- generate);
 * :mod:`k3lab.infer.prefix` — :class:`PrefixCache`: KDA states and MLA pages per prompt block, LRU,
   host tier;
 * :mod:`k3lab.infer.speculative` — MTP drafts, one verify forward, KDA state rollback by replay;
@@ -9,12 +11,12 @@
 * :mod:`k3lab.infer.measure` — the three costs of inference measured, per-token losses.
 """
 
-from k3lab.infer.generate import (DEFAULT_CHUNK_TOKENS, GenerationStats, Prefilled, decode, generate, prefill,
-                                  prefill_rows, stream)
+from k3lab.infer.generate import decode, generate, prefill, stream
 from k3lab.infer.measure import measure_inference, token_losses
 from k3lab.infer.prefix import PrefixCache
 from k3lab.infer.sampling import check_sampling, next_token_probs, sample_next
 from k3lab.infer.speculative import speculative_decode
+from k3lab.infer.step import DEFAULT_CHUNK_TOKENS, GenerationStats, Prefilled, prefill_rows
 
 __all__ = ["DEFAULT_CHUNK_TOKENS", "GenerationStats", "Prefilled", "PrefixCache", "check_sampling", "decode",
            "generate", "measure_inference", "next_token_probs", "prefill", "prefill_rows", "sample_next",

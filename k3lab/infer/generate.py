@@ -16,100 +16,40 @@ mask (:mod:`k3lab.infer.cache`). Greedy output for a batch equals each prompt ge
 **Decode** feeds one token per row per step: a KDA layer does a fixed amount of work on its
 ``[H, K, V]`` state (our Triton decode step on CUDA, ``backend="auto"``; the torch recurrence on CPU), an MLA
 layer attends to the latents in the absorbed form (work and cache growing with the context).
-Rows that stop (a ``stop`` token, or ``max_new_tokens``) leave the batch.
+Rows that stop (a ``stop`` token, the config's EOS unless ``eos_token_id=None``, or ``max_new_tokens``)
+leave the batch.
 
 :func:`stream` yields ``(row, token)`` as tokens are produced; :func:`generate` collects them.
 ``draft=k`` decodes with the model's MTP head drafting ``k`` tokens per step
 (:mod:`k3lab.infer.speculative`); ``prefix_cache`` reuses the cached blocks of shared prompt
-prefixes (:mod:`k3lab.infer.prefix`).
+prefixes (:mod:`k3lab.infer.prefix`). The chunked prefill of equal-length rows and the shared records
+live in :mod:`k3lab.infer.step` (imported by both of those, so nothing imports this module back).
 """
 
 from __future__ import annotations
 
 import numbers
 import time
-from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
 
 from k3lab.backend import synchronize
 from k3lab.infer import cache as hcache
+from k3lab.infer.prefix import PrefixCache
 from k3lab.infer.sampling import check_sampling, sample_next
-from k3lab.model import K3Cache
+from k3lab.infer.speculative import speculative_decode
+from k3lab.infer.step import (DEFAULT_CHUNK_TOKENS, GenerationStats, Prefilled, check_int, model_device,  # noqa: F401
+                              prefill_rows)
 
 Tensor = torch.Tensor
 
-DEFAULT_CHUNK_TOKENS = 1024  # prefill chunk: MLA scores of one chunk are [H, chunk, context] on the torch path
-
-
-@dataclass
-class GenerationStats:
-    """What a generation call did and how long it took (filled in place; pass one to :func:`generate`).
-
-    prompt_tokens / computed_tokens / cached_tokens: prompt tokens in all, run through the model, served
-    by the prefix cache. new_tokens: tokens generated. prefill_s / decode_s: wall seconds (device
-    synchronised). forwards: decode forwards of the main model (verify forwards under speculation).
-    drafted / accepted: MTP draft tokens proposed / accepted. mtp_forwards: forwards of the MTP head.
-    """
-
-    prompt_tokens: int = 0
-    computed_tokens: int = 0
-    cached_tokens: int = 0
-    new_tokens: int = 0
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
-    forwards: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    mtp_forwards: int = 0
-    per_row: list = field(default_factory=list)  # speculative decoding: (drafted, accepted) per row
-
-    @property
-    def acceptance_rate(self) -> float:
-        """accepted / drafted (NaN without drafts)."""
-        return self.accepted / self.drafted if self.drafted else float("nan")
-
-    @property
-    def tokens_per_forward(self) -> float:
-        """Decoded tokens per main-model forward (1 for plain decoding of one row)."""
-        return self.new_tokens / self.forwards if self.forwards else float("nan")
-
-    @property
-    def decode_tokens_per_s(self) -> float:
-        return self.new_tokens / self.decode_s if self.decode_s > 0 else float("nan")
-
-
-@dataclass
-class Prefilled:
-    """Rows after prefill, in prompt order: what decoding starts from.
-
-    cache: the hybrid cache after each row's prompt (rows stacked, :func:`k3lab.infer.cache.stack`).
-    logits: [B, V] float32 at each row's last prompt token; residual: [B, D] the model's final residual
-    there (the MTP head's ``h_t``). mtp_cache: the MTP block's MLA cache over positions ``0..T-2`` (when
-    prefilled with ``mtp=True``; one row). lengths: each row's prompt length.
-    """
-
-    cache: K3Cache
-    logits: Tensor
-    residual: Tensor
-    lengths: list
-    mtp_cache: object = None
-
-
-def model_device(model) -> torch.device:
-    return next(model.parameters()).device
+EOS_FROM_CONFIG = "config"  # the default of ``eos_token_id``: stop at ``model.config.eos_token_id``
 
 
 # ----------------------------------------------------------------------------------------------
 # input checks
 # ----------------------------------------------------------------------------------------------
-def _int(name: str, value, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
-        raise ValueError(f"{name}={value!r}: must be an integer >= {low}")
-    return int(value)
-
-
 def normalize_prompts(prompts, vocab_size: int, max_prompt_tokens: int | None = None) -> tuple[list[list[int]], str]:
     """Prompts as lists of token ids, and their kind: "tensor" (a [B, T] LongTensor), "lists" (a list of
     lists of ints) or "tensors" (a list of 1-D LongTensors). Raises ValueError naming ``prompts`` (or
@@ -163,57 +103,42 @@ def normalize_stop(stop, vocab_size: int) -> frozenset:
     return frozenset(int(t) for t in items)
 
 
+def resolve_eos(eos_token_id, config) -> frozenset:
+    """``eos_token_id``: ``"config"`` (the default: ``config.eos_token_id``), None (no EOS stop) or a token
+    id -> the EOS stop set (ValueError naming ``eos_token_id``)."""
+    if isinstance(eos_token_id, str) and eos_token_id == EOS_FROM_CONFIG:
+        eos_token_id = getattr(config, "eos_token_id", None)
+    if eos_token_id is None:
+        return frozenset()
+    if isinstance(eos_token_id, bool) or not isinstance(eos_token_id, numbers.Integral) \
+            or not 0 <= eos_token_id < config.vocab_size:
+        raise ValueError(f"eos_token_id={eos_token_id!r}: must be 'config' (the model config's, the default), None "
+                         f"(no EOS stop) or a token id in [0, vocab_size={config.vocab_size})")
+    return frozenset([int(eos_token_id)])
+
+
+def check_context(rows: list[list[int]], max_new_tokens: int, config, allow_longer: bool) -> None:
+    """Refuse a prompt, or a prompt plus ``max_new_tokens``, longer than ``config.max_position_embeddings``
+    (the trained context) unless ``allow_longer`` (ValueError naming ``prompts[i]`` / ``max_new_tokens``)."""
+    if not isinstance(allow_longer, bool):
+        raise ValueError(f"allow_longer={allow_longer!r}: must be True or False")
+    limit = getattr(config, "max_position_embeddings", None)
+    if allow_longer or limit is None:
+        return
+    for i, row in enumerate(rows):
+        if len(row) > limit:
+            raise ValueError(f"prompts[{i}]: {len(row)} tokens > max_position_embeddings={limit} (the trained "
+                             f"context); pass allow_longer=True to run past it")
+    longest = max(len(row) for row in rows)
+    if longest + max_new_tokens > limit:
+        raise ValueError(f"max_new_tokens={max_new_tokens}: the longest prompt ({longest} tokens) + max_new_tokens > "
+                         f"max_position_embeddings={limit} (the trained context); at most {limit - longest}, or "
+                         f"pass allow_longer=True")
+
+
 # ----------------------------------------------------------------------------------------------
 # prefill
 # ----------------------------------------------------------------------------------------------
-def _cuts(start: int, end: int, chunk_size: int, block_tokens: int | None) -> list[int]:
-    """Chunk ends in (start, end]: every ``chunk_size`` tokens and every multiple of ``block_tokens``."""
-    ends = set(range(start + chunk_size, end, chunk_size)) | {end}
-    if block_tokens:
-        ends |= set(range((start // block_tokens + 1) * block_tokens, end, block_tokens))
-    return sorted(ends)
-
-
-@torch.no_grad()
-def prefill_rows(model, ids: Tensor, chunk_size: int = DEFAULT_CHUNK_TOKENS, cache: K3Cache | None = None,
-                 mtp: bool = False, block_tokens: int | None = None, on_block=None) -> Prefilled:
-    """Chunked prefill of rows of equal length ``ids [B, T]``, on top of ``cache`` (None: an empty one).
-
-    ``mtp``: also run the MTP head over the prompt (position t reads ``h_t`` and ``x_{t+1}``), so
-    drafting starts with its MLA cache over positions ``0..T-2`` (needs ``cache=None``).
-    ``block_tokens`` / ``on_block(end, cache, seconds)``: cut chunks at every multiple of
-    ``block_tokens`` (absolute positions, counting the cache) and call ``on_block`` there with the
-    cache and the seconds spent since the previous cut point (the prefix cache's snapshots).
-    """
-    from k3lab.infer.speculative import mtp_step  # speculative imports this module
-
-    if mtp and cache is not None:
-        raise ValueError("prefill_rows: mtp=True needs cache=None (the MTP head reads the residual of every position)")
-    device = model_device(model)
-    start = 0 if cache is None else cache.offset
-    T = ids.shape[1]
-    ends = _cuts(start, start + T, chunk_size, block_tokens)
-    mtp_cache, prev_h, step = None, None, None
-    pos, t0 = start, time.perf_counter()
-    for end in ends:
-        piece = ids[:, pos - start:end - start]  # [B, t]
-        step = hcache.forward(model, piece, cache, last=1)
-        cache = step.cache
-        if mtp:
-            h = step.residual if prev_h is None else torch.cat([prev_h, step.residual], 1)  # h_{t} paired with x_{t+1}
-            x_next = piece[:, 1:] if prev_h is None else piece
-            if x_next.shape[1] > 0:
-                _, _, mtp_cache = mtp_step(model.mtp, model.model.embed_tokens(x_next), h[:, :x_next.shape[1]], mtp_cache)
-            prev_h = step.residual[:, -1:]
-        if on_block is not None and block_tokens and end % block_tokens == 0:
-            synchronize(device)
-            now = time.perf_counter()
-            on_block(end, cache, now - t0)
-            t0 = now
-        pos = end
-    return Prefilled(hcache.compact(cache), step.logits[:, -1], step.residual[:, -1], [T] * ids.shape[0], mtp_cache)
-
-
 @torch.no_grad()
 def prefill(model, prompts, chunk_size: int = DEFAULT_CHUNK_TOKENS, prefix_cache=None, mtp: bool = False,
             stats: GenerationStats | None = None, max_prompt_tokens: int | None = None) -> Prefilled:
@@ -225,7 +150,7 @@ def prefill(model, prompts, chunk_size: int = DEFAULT_CHUNK_TOKENS, prefix_cache
     MTP head's cache for speculative decoding.
     """
     hcache.check_model(model)
-    _int("chunk_size", chunk_size, 1)
+    check_int("chunk_size", chunk_size, 1)
     rows, _ = normalize_prompts(prompts, model.config.vocab_size, max_prompt_tokens)
     if mtp and (len(rows) != 1 or prefix_cache is not None):
         raise ValueError("prefill: mtp=True takes one prompt and no prefix_cache")
@@ -321,31 +246,31 @@ def decode(model, pre: Prefilled, max_new_tokens: int, temperature: float = 0.0,
 def stream(model, prompts, max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None,
            top_p: float | None = None, stop=None, generator: torch.Generator | None = None, draft: int | None = None,
            prefix_cache=None, chunk_size: int = DEFAULT_CHUNK_TOKENS, max_prompt_tokens: int | None = None,
-           stats: GenerationStats | None = None) -> Iterator[tuple[int, int]]:
+           stats: GenerationStats | None = None, eos_token_id=EOS_FROM_CONFIG,
+           allow_longer: bool = False) -> Iterator[tuple[int, int]]:
     """The streaming form of :func:`generate`: yields ``(row, token)`` as each token is produced
     (rows interleaved step by step; under speculative decoding one row after another). Arguments are
     checked before the first token (ValueError naming the argument)."""
     hcache.check_model(model)
     vocab = model.config.vocab_size
     if max_prompt_tokens is not None:
-        _int("max_prompt_tokens", max_prompt_tokens, 1)
+        check_int("max_prompt_tokens", max_prompt_tokens, 1)
     rows, _ = normalize_prompts(prompts, vocab, max_prompt_tokens)
-    _int("max_new_tokens", max_new_tokens, 0)
-    _int("chunk_size", chunk_size, 1)
+    check_int("max_new_tokens", max_new_tokens, 0)
+    check_context(rows, max_new_tokens, model.config, allow_longer)
+    check_int("chunk_size", chunk_size, 1)
     check_sampling(temperature, top_k, top_p)
-    stop = normalize_stop(stop, vocab)
+    stop = normalize_stop(stop, vocab) | resolve_eos(eos_token_id, model.config)
     if generator is not None and not isinstance(generator, torch.Generator):
         raise ValueError(f"generator={generator!r}: must be None or a torch.Generator")
     if draft is not None:
-        _int("draft", draft, 1)
+        check_int("draft", draft, 1)
         if model.mtp is None:
             raise ValueError(f"draft={draft}: the model has no MTP head (config.num_nextn_predict_layers="
                              f"{model.config.num_nextn_predict_layers}; drafting needs 1)")
         if prefix_cache is not None:
             raise ValueError("draft and prefix_cache: speculative decoding does not read the prefix cache yet "
                              "(its MTP head needs the residual of every prompt position); pass one of them")
-    from k3lab.infer.prefix import PrefixCache
-
     if prefix_cache is not None and not isinstance(prefix_cache, PrefixCache):
         raise ValueError(f"prefix_cache: must be None or a k3lab.infer.PrefixCache, got {type(prefix_cache).__name__}")
     return _stream(model, rows, max_new_tokens, temperature, top_k, top_p, stop, generator, draft, prefix_cache,
@@ -360,8 +285,6 @@ def _stream(model, rows, max_new_tokens, temperature, top_k, top_p, stop, genera
         pre = prefill(model, rows, chunk_size, prefix_cache=prefix_cache, stats=stats)
         yield from decode(model, pre, max_new_tokens, temperature, top_k, top_p, stop, generator, stats)
         return
-    from k3lab.infer.speculative import speculative_decode
-
     for i, row in enumerate(rows):
         pre = prefill(model, [row], chunk_size, mtp=True, stats=stats)
         for tok in speculative_decode(model, pre, draft, max_new_tokens, temperature, top_k, top_p, stop,
@@ -372,29 +295,33 @@ def _stream(model, rows, max_new_tokens, temperature, top_k, top_p, stop, genera
 def generate(model, prompts, max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None,
              top_p: float | None = None, stop=None, generator: torch.Generator | None = None, draft: int | None = None,
              prefix_cache=None, chunk_size: int = DEFAULT_CHUNK_TOKENS, max_prompt_tokens: int | None = None,
-             stats: GenerationStats | None = None):
+             stats: GenerationStats | None = None, eos_token_id=EOS_FROM_CONFIG, allow_longer: bool = False):
     """Continue each prompt by up to ``max_new_tokens`` tokens with the hybrid cache.
 
     prompts: a ``[B, T]`` LongTensor, or a list of prompts (lists of token ids or 1-D tensors) of any
     lengths. Sampling: ``temperature`` 0 = greedy, else softmax at that temperature over ``top_k``
     tokens / the ``top_p`` nucleus, drawn with ``generator``; ``stop``: token id(s) that end a row
-    (kept in the output). ``draft=k``: speculative decoding with the MTP head, ``k`` drafts a step
+    (kept in the output). ``eos_token_id``: ``"config"`` (default) also stops a row at
+    ``model.config.eos_token_id`` (kept, as in transformers), None turns that off, an id stops at that id.
+    ``draft=k``: speculative decoding with the MTP head, ``k`` drafts a step
     (greedy output unchanged). ``prefix_cache``: a :class:`k3lab.infer.PrefixCache` for this model.
     ``chunk_size``: prefill chunk. ``max_prompt_tokens``: refuse longer prompts. ``stats``: a
-    :class:`GenerationStats` filled in place.
+    :class:`GenerationStats` filled in place. A prompt plus ``max_new_tokens`` longer than
+    ``config.max_position_embeddings`` (the trained context; the model is NoPE and would run, untested)
+    is refused unless ``allow_longer=True``.
 
-    Returns each prompt followed by its continuation, in the prompts' form: a ``[B, T + max_new_tokens]``
-    tensor on the prompts' device (rows that stopped early padded with ``config.pad_token_id``), or a
-    list of lists of ints / 1-D tensors.
+    Returns each prompt followed by its continuation, in the prompts' form: a ``[B, T + n]`` tensor on
+    the prompts' device, ``n`` the longest continuation (``<= max_new_tokens``; rows that stopped earlier
+    padded with ``config.pad_token_id``), or a list of lists of ints / 1-D tensors.
     """
     hcache.check_model(model)
     rows, kind = normalize_prompts(prompts, model.config.vocab_size)
     new = [[] for _ in rows]
     for row, tok in stream(model, prompts, max_new_tokens, temperature, top_k, top_p, stop, generator, draft,
-                           prefix_cache, chunk_size, max_prompt_tokens, stats):
+                           prefix_cache, chunk_size, max_prompt_tokens, stats, eos_token_id, allow_longer):
         new[row].append(tok)
     if kind == "tensor":
-        width = prompts.shape[1] + max_new_tokens
+        width = prompts.shape[1] + max(len(n) for n in new)  # not + max_new_tokens: no padding past the longest row
         pad = model.config.pad_token_id
         out = torch.tensor([r + n + [pad] * (width - len(r) - len(n)) for r, n in zip(rows, new)], dtype=prompts.dtype)
         return out.to(prompts.device)

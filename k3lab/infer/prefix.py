@@ -38,7 +38,7 @@ import torch
 
 from k3lab.backend import synchronize
 from k3lab.infer import cache as hcache
-from k3lab.infer.generate import DEFAULT_CHUNK_TOKENS, Prefilled, model_device, prefill_rows
+from k3lab.infer.step import DEFAULT_CHUNK_TOKENS, Prefilled, model_device, prefill_rows
 from k3lab.mixers.kda import KDACache
 from k3lab.mixers.mla import MLACache
 from k3lab.model import K3Cache
@@ -151,7 +151,12 @@ class PrefixCache:
     # --- lookup / insert ---------------------------------------------------------------------------
     def lookup(self, tokens: list[int], max_tokens: int | None = None) -> tuple[K3Cache | None, int]:
         """The cache after the longest cached block prefix of ``tokens`` of at most ``max_tokens`` tokens,
-        and its length (``(None, 0)`` on a miss). Counts a request; promotes host entries to the device."""
+        and its length (``(None, 0)`` on a miss). Counts a request; promotes host entries to the device.
+
+        The returned cache is the caller's own: every tensor in it is a copy, so writing into it in place
+        changes nothing stored (tested). The cost is one copy of the KDA states and conv tails per hit
+        (``H·K·V`` floats a KDA layer, independent of the prefix length) on top of the MLA pages, which
+        are concatenated into new memory anyway."""
         N = self.block_tokens
         limit = len(tokens) if max_tokens is None else min(max_tokens, len(tokens))
         parent, chain = -1, []
@@ -178,8 +183,8 @@ class PrefixCache:
         leaf = chain[-1]
         layers = []
         for i, x in enumerate(leaf.layers):
-            if isinstance(x, KDACache):
-                layers.append(x)  # never written in place: caches are functional
+            if isinstance(x, KDACache):  # a copy: the store must not share memory with a caller's cache
+                layers.append(KDACache(*(None if t is None else t.clone() for t in vars(x).values())))
             else:
                 pages = [e.layers[i] for e in chain]
                 layers.append(MLACache(torch.cat([p.c_kv for p in pages], 1), torch.cat([p.k_rope for p in pages], 1)))

@@ -9,6 +9,12 @@ With logits ``z [V]`` and temperature ``τ > 0``::
             (the most likely token always stays), renormalise
 
 ``τ = 0`` is greedy: ``argmax_i z_i`` (top-k and top-p do not change the argmax).
+
+The division is done in float32 as ``(z − max z) / τ``: every term is ``<= 0`` so a tiny ``τ`` gives
+``0`` for the largest logit(s) and a large negative number or ``−inf`` for the rest — finite
+probabilities (the distribution concentrates on the argmax) where ``z / τ`` would overflow to ``inf``
+and softmax give NaN. ``τ`` must itself be a float32 normal number: ``0 < τ < 1.2e-38``
+(``torch.finfo(torch.float32).tiny``) is refused, naming ``temperature``.
 """
 
 from __future__ import annotations
@@ -21,12 +27,16 @@ import torch
 Tensor = torch.Tensor
 
 
+MIN_TEMPERATURE = torch.finfo(torch.float32).tiny  # the smallest positive temperature: float32's smallest normal
+
+
 def check_sampling(temperature, top_k, top_p) -> None:
-    """Raise ValueError naming the argument: temperature a finite number >= 0, top_k None or an int
-    >= 1, top_p None or a number in (0, 1]."""
+    """Raise ValueError naming the argument: temperature 0 (greedy) or a finite number >= MIN_TEMPERATURE
+    (1.2e-38), top_k None or an int >= 1, top_p None or a number in (0, 1]."""
     if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not math.isfinite(temperature) \
-            or temperature < 0:
-        raise ValueError(f"temperature={temperature!r}: must be a finite number >= 0 (0 = greedy)")
+            or temperature < 0 or 0 < temperature < MIN_TEMPERATURE:
+        raise ValueError(f"temperature={temperature!r}: must be 0 (greedy) or a finite number >= "
+                         f"{MIN_TEMPERATURE:.2g} (the smallest normal float32)")
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or top_k < 1):
         raise ValueError(f"top_k={top_k!r}: must be None or an integer >= 1")
     if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, numbers.Real)
@@ -40,7 +50,8 @@ def next_token_probs(logits: Tensor, temperature: float, top_k: int | None = Non
     check_sampling(temperature, top_k, top_p)
     if temperature == 0:
         raise ValueError("temperature=0: greedy decoding has no distribution; use argmax")
-    z = logits.float() / temperature
+    z = logits.float()
+    z = (z - z.amax(dim=-1, keepdim=True)) / temperature  # <= 0: finite however small the temperature
     if top_k is not None and top_k < z.shape[-1]:
         kth = z.topk(top_k, dim=-1).values[..., -1:]  # [..., 1]
         z = z.masked_fill(z < kth, float("-inf"))

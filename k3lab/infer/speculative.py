@@ -40,26 +40,12 @@ import torch
 
 from k3lab.backend import synchronize
 from k3lab.infer import cache as hcache
-from k3lab.infer.generate import GenerationStats, Prefilled
-from k3lab.infer.sampling import next_token_probs, sample_next
+from k3lab.infer.sampling import check_sampling, next_token_probs, sample_next
+from k3lab.infer.step import GenerationStats, Prefilled, check_int, mtp_step  # noqa: F401  (mtp_step: also here)
 from k3lab.mixers.kda import KDA
 from k3lab.model import K3Cache
-from k3lab.residual import PreNormStream
 
 Tensor = torch.Tensor
-
-
-def mtp_step(mtp, next_embeddings: Tensor, residual: Tensor, cache=None):
-    """:meth:`k3lab.model.MTPHead.forward` with its MLA layer's cache, for drafting::
-
-        h' = eh_proj[ enorm(Emb(x_{t+1})) ; hnorm(h_t) ] -> block (cache) -> out;  hidden = norm(out)
-
-    next_embeddings, residual: [B, T', D]. Returns ``(hidden [B, T', D], out [B, T', D], new cache)``;
-    ``hidden`` equals ``mtp(next_embeddings, residual)`` when ``cache`` is None (tested)."""
-    stream = PreNormStream(mtp.eh_proj(torch.cat([mtp.enorm(next_embeddings), mtp.hnorm(residual)], dim=-1)))
-    new_cache = mtp.block(stream, cache)
-    out = stream.output()
-    return mtp.norm(out), out, new_cache
 
 
 class record_kda_inputs:
@@ -150,17 +136,31 @@ def draft_tokens(model, pend_x: Tensor, pend_h: Tensor, mtp_cache, k: int, tempe
     return drafts, (torch.stack(probs) if probs else None), kept
 
 
-@torch.no_grad()
 def speculative_decode(model, pre: Prefilled, k: int, max_new_tokens: int, temperature: float = 0.0,
                        top_k: int | None = None, top_p: float | None = None, stop=frozenset(),
                        generator: torch.Generator | None = None, stats: GenerationStats | None = None):
     """Decode one row (``pre`` from ``prefill(..., mtp=True)``) with MTP drafts; yields tokens.
 
+    ``k``: drafts a step, an integer >= 1; ``max_new_tokens`` >= 0 (ValueError naming them, checked
+    before anything runs, as are the sampling arguments).
+
     Invariant between steps: the cache holds positions ``0..n-1``; ``x_n`` is known but not fed;
     the MTP cache holds positions ``0..n-m-1`` and ``pend_h``/``pend_x`` its next ``m`` entries.
     """
+    check_int("k", k, 1)
+    check_int("max_new_tokens", max_new_tokens, 0)
+    check_sampling(temperature, top_k, top_p)
+    if model.mtp is None:
+        raise ValueError("model: has no MTP head (config.num_nextn_predict_layers=0); speculative_decode needs 1")
     if pre.logits.shape[0] != 1 or pre.mtp_cache is None and pre.lengths[0] > 1:
         raise ValueError("speculative_decode: needs one row prefilled with mtp=True")
+    return _speculative_decode(model, pre, k, max_new_tokens, temperature, top_k, top_p, stop, generator, stats)
+
+
+@torch.no_grad()
+def _speculative_decode(model, pre, k, max_new_tokens, temperature, top_k, top_p, stop, generator, stats):
+    if max_new_tokens == 0:
+        return
     device = pre.logits.device
     was_training = model.training
     model.eval()
