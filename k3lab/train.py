@@ -372,7 +372,7 @@ def _setup(model, cfg: TrainConfig, parallel, first_batch_shape) -> _Run:
             net = builder()
     if not isinstance(net, nn.Module):
         raise ValueError(f"fit: the model builder returned {type(net).__name__}, not an nn.Module")
-    if parallel is not None and hasattr(net, "config"):
+    if parallel is not None and hasattr(net, "config") and first_batch_shape is not None:
         groups.dims.check_model(net.config, *first_batch_shape)
     if cfg.fused_loss:
         if not hasattr(net, "fused_loss"):
@@ -530,7 +530,7 @@ def fit(model, train_batches, cfg: TrainConfig, val_batches=None, resume_from: s
         raise ValueError(f"fit: stop_at={stop_at!r}: must be None or an int >= 1 (steps to run before stopping)")
     iterator = None if callable(train_batches) else iter(train_batches)
     first = _next_batch(train_batches, 0, iterator, "cpu") if callable(train_batches) else None
-    run = _setup(model, cfg, parallel, tuple(first[0].shape) if first is not None else (1, 1))
+    run = _setup(model, cfg, parallel, tuple(first[0].shape) if first is not None else None)
     model, device = run.model, run.device
     optimizer = make_optimizer(model, cfg)
     masters = None
