@@ -3,7 +3,7 @@
 import argparse
 import sys
 
-from k3lab.course import CourseError, add_course_parser
+from k3lab.experiments.course import CourseError, add_course_parser
 
 
 def build_parser() -> argparse.ArgumentParser:

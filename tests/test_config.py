@@ -6,7 +6,7 @@ import pytest
 
 from k3lab.backend import resolve_backend, resolve_device
 from k3lab.config import ModelConfig
-from k3lab.nb import check_param, check_params
+from k3lab.experiments.nb import check_param, check_params
 
 # the K3 text backbone's config.json fields (docs/k3_reference.md §1) in k3lab's earlier style: DeepSeek-style
 # expert names and a top-level full_attn_layers (tests/test_hf_config.py reads the release's own file)

@@ -1,10 +1,10 @@
-"""The course runner (k3lab.course) on tiny synthetic notebooks written into tmp_path."""
+"""The course runner (k3lab.experiments.course) on tiny synthetic notebooks written into tmp_path."""
 
 import nbformat
 import pytest
 
 from k3lab.__main__ import main
-from k3lab.course import (
+from k3lab.experiments.course import (
     CourseError,
     NotebookResult,
     find_notebooks,

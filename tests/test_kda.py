@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from k3lab.config import ModelConfig
 from k3lab.mixers.kda import KDA, KDACache, causal_conv1d, kda_gate, kda_gate_reference, l2norm
-from k3lab.mixers.numerics import factored_chunk_attention, factored_errors, log_range, pairwise_chunk_attention
+from k3lab.experiments.numerics import factored_chunk_attention, factored_errors, log_range, pairwise_chunk_attention
 from k3lab.testing import assert_close
 
 FP64_TOL = 1e-10

@@ -135,7 +135,7 @@ def test_bad_inputs_raise(call, match):
 def test_mixer_lm_is_causal_and_trains(mixer):
     """MixerLM: logits [B, T, vocab], finite loss on pre-aligned labels, gradients reach every
     parameter, and changing a future token leaves earlier logits unchanged (causality, odd T, 2 chunks)."""
-    from k3lab.mixers.toy import MixerLM
+    from k3lab.experiments.toy import MixerLM
 
     torch.manual_seed(0)
     model = MixerLM(vocab_size=16, d_model=16, n_layers=2, mixer=mixer, num_heads=2, chunk_size=8)
@@ -154,7 +154,7 @@ def test_mixer_lm_is_causal_and_trains(mixer):
 
 
 def test_mixer_lm_rejects_unknown_mixer():
-    from k3lab.mixers.toy import MixerLM
+    from k3lab.experiments.toy import MixerLM
 
     with pytest.raises(ValueError, match="mixer must be one of"):
         MixerLM(vocab_size=16, d_model=16, n_layers=1, mixer="mamba3", num_heads=2)

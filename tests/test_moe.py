@@ -7,7 +7,7 @@ from k3lab.config import ModelConfig
 from k3lab.moe.latent import DispatchRows, LatentMoE, inverse_permutation, LocalDispatcher, RoutedExperts, merge_expert_weights, split_expert_weights
 from k3lab.moe.router import (AuxLossBalancer, LossFreeBalancer, QuantileBalancer, SigmoidRouter, expert_load,
                               make_balancer, max_violation, route_scores)
-from k3lab.moe.simulate import FIG5_SCORES, sharded_histogram_update, simulate_balancing, skewed_scores
+from k3lab.experiments.moe_simulate import FIG5_SCORES, sharded_histogram_update, simulate_balancing, skewed_scores
 from k3lab.moe.situ import SiTUMLP, situ_glu, swiglu
 from k3lab.testing import assert_close
 
@@ -338,7 +338,7 @@ def test_update_all_reduces_stats_through_the_hook():
 
 
 def test_recorders_follow_training_forwards_only():
-    from k3lab.moe.simulate import MaxViolationRecorder
+    from k3lab.experiments.moe_simulate import MaxViolationRecorder
     from k3lab.moe.situ import GLUOutputRecorder
 
     torch.manual_seed(0)

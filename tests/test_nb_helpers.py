@@ -1,10 +1,10 @@
-"""k3lab.nb's notebook helpers: the text progress bar, results over seeds, the explorer's fallback."""
+"""k3lab.experiments.nb's notebook helpers: the text progress bar, results over seeds, the explorer's fallback."""
 import io
 import sys
 
 import pytest
 
-from k3lab import nb
+from k3lab.experiments import nb
 
 
 def test_progress_is_a_text_bar_on_stdout(monkeypatch):

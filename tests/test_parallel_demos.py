@@ -1,10 +1,10 @@
-"""k3lab.parallel.demos (the workers of notebook 11): one spawn of 2 gloo processes runs each demo once;
+"""k3lab.experiments.parallel_demos (the workers of notebook 11): one spawn of 2 gloo processes runs each demo once;
 errors against one process are float32 rounding and the counted all-gather bytes equal the formulas."""
 
 import pytest
 
 from k3lab.config import ModelConfig
-from k3lab.parallel import demos
+from k3lab.experiments import parallel_demos as demos
 from k3lab.parallel.spawn import run_ranks
 
 SEQ_LENS = (64, 128)

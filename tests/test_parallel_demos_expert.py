@@ -1,8 +1,8 @@
-"""The expert-parallel notebook's worker (k3lab.parallel.demos_expert): one spawn of 2 gloo processes,
+"""The expert-parallel notebook's worker (k3lab.experiments.expert_demos): one spawn of 2 gloo processes,
 plain EP and MoonEP on the tiny LatentMoE under every router skew, against one process."""
 import pytest
 
-from k3lab.parallel import demos_expert
+from k3lab.experiments import expert_demos as demos_expert
 from k3lab.parallel.expert import EP_KINDS
 from k3lab.parallel.spawn import run_ranks
 

@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 from k3lab.config import ModelConfig
 from k3lab.moe.latent import LatentMoE, LocalDispatcher, RoutedExperts
 from k3lab.moe.router import route_scores
-from k3lab.moe.simulate import skewed_scores
+from k3lab.experiments.moe_simulate import skewed_scores
 from k3lab.parallel.collectives import all_gather, all_reduce_sum
 from k3lab.parallel.expert import (EP_KINDS, ExpertParallelDispatcher, apply_expert_parallel, plan_ep, plan_moonep,
                                    route_counts, tokens_per_expert)

@@ -18,7 +18,7 @@ What it does, with nothing but the standard library, JupyterLab and the OS's Chr
    saved state, so a reader can never see it);
 5. saves a screenshot of the top of each notebook and one of each progress bar, scrolled into view;
 6. with ``--explorers 03 04 05``: *runs* those notebooks in JupyterLab (``notebook:run-all-cells``) and
-   checks that the ``k3lab.nb.explore`` cell shows sliders and a plot, then moves the first slider one step
+   checks that the ``k3lab.experiments.nb.explore`` cell shows sliders and a plot, then moves the first slider one step
    and waits for the redrawn plot (screenshots ``NN_name-explorer.png`` and ``-explorer-moved.png``).
 
 Exit status 0: all clean; 1: a notebook failed (listed); 2: setup failed (message);
@@ -308,7 +308,7 @@ return {status: panel.sessionContext.kernelDisplayStatus, found: idx >= 0,
 
 
 def check_explorer(driver: WebDriver, lab: Lab, path: Path, shots: Path, timeout: float) -> dict:
-    """Run a notebook in JupyterLab (``notebook:run-all-cells``) and check that its ``k3lab.nb.explore``
+    """Run a notebook in JupyterLab (``notebook:run-all-cells``) and check that its ``k3lab.experiments.nb.explore``
     cell shows sliders and a plot (the kernel runs under a Jupyter server, so ``interactive="auto"`` is on)."""
     driver.get(f"{lab.base}/lab/tree/{path.name}?reset&token={lab.token}")
     n_cells = len(json.loads(path.read_text())["cells"])

@@ -1,7 +1,7 @@
-"""The MQAR state-capacity experiment of notebook 01: train a :class:`k3lab.mixers.toy.MixerLM`
+"""The MQAR state-capacity experiment of notebook 01: train a :class:`k3lab.experiments.toy.MixerLM`
 with :func:`k3lab.train.fit` on a mix of key-value-pair counts and report recall accuracy per count
-(zoology's convention). Moved here from ``k3lab.mixers.toy`` so that the mixers never import the
-trainer or the data module.
+(zoology's convention). Kept apart from the model (``k3lab.experiments.toy``) so that the model never
+imports the trainer or the data module.
 """
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 from k3lab.data import mqar
-from k3lab.mixers.toy import MixerLM
+from k3lab.experiments.toy import MixerLM
 from k3lab.train import TrainConfig, fit
 
 __all__ = ["mqar_mixture", "recall_accuracy", "train_mqar"]

@@ -5,7 +5,7 @@ rank that dies or waits in a mismatched collective ends the run with an error, n
 ``fn(rank, world, *args)``, ``destroy_process_group()``. Results come back through files in a
 temporary folder (pickled by these processes themselves, read back by the caller).
 ``fn`` must be importable (a module-level function), since ``spawn`` starts fresh interpreters:
-notebooks call functions from :mod:`k3lab.parallel.demos`.
+notebooks call functions from :mod:`k3lab.experiments.parallel_demos`.
 """
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ notebooks folder) into the output folder under the same name. The runner
   it to ``summary.md`` in the output folder; the exit status is 1 if any notebook failed.
 
 The headline of a notebook is the last stdout line starting with ``HEADLINE: `` (printed by
-``k3lab.nb.headline``). Papermill starts the Jupyter kernel named ``python3`` (``--kernel`` picks
+``k3lab.experiments.nb.headline``). Papermill starts the Jupyter kernel named ``python3`` (``--kernel`` picks
 another). If that kernel is missing, or belongs to a different Python than the one running the
 course, register this interpreter's kernel with ``python -m ipykernel install --user``.
 """
@@ -35,7 +35,7 @@ from k3lab.config import DEVICES, RUNNABLE_PRESETS
 NOTEBOOK_NAME = re.compile(r"^(\d+)_\w+\.ipynb$")
 HEADLINE_PREFIX = "HEADLINE: "
 DEVICE_PATTERN = re.compile(rf"^({'|'.join(DEVICES)}|cuda:\d+)$")  # DEVICES or cuda:N, as k3lab.backend.resolve_device
-DEFAULT_NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+DEFAULT_NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
 INLINE_BACKEND = "module://matplotlib_inline.backend_inline"
 
 
