@@ -39,6 +39,7 @@ from k3lab.infer import cache as hcache
 from k3lab.infer.prefix import PrefixCache
 from k3lab.infer.sampling import check_sampling, sample_next
 from k3lab.infer.speculative import speculative_decode
+from k3lab.infer.static import DECODERS, check_decoder, decoder_for  # noqa: F401
 from k3lab.infer.step import (DEFAULT_CHUNK_TOKENS, GenerationStats, Prefilled, check_int, model_device,  # noqa: F401
                               prefill_rows)
 
@@ -247,7 +248,7 @@ def stream(model, prompts, max_new_tokens: int, temperature: float = 0.0, top_k:
            top_p: float | None = None, stop=None, generator: torch.Generator | None = None, draft: int | None = None,
            prefix_cache=None, chunk_size: int = DEFAULT_CHUNK_TOKENS, max_prompt_tokens: int | None = None,
            stats: GenerationStats | None = None, eos_token_id=EOS_FROM_CONFIG,
-           allow_longer: bool = False) -> Iterator[tuple[int, int]]:
+           allow_longer: bool = False, decoder: str = "eager") -> Iterator[tuple[int, int]]:
     """The streaming form of :func:`generate`: yields ``(row, token)`` as each token is produced
     (rows interleaved step by step; under speculative decoding one row after another). Arguments are
     checked before the first token (ValueError naming the argument)."""
@@ -273,13 +274,27 @@ def stream(model, prompts, max_new_tokens: int, temperature: float = 0.0, top_k:
                              "(its MTP head needs the residual of every prompt position); pass one of them")
     if prefix_cache is not None and not isinstance(prefix_cache, PrefixCache):
         raise ValueError(f"prefix_cache: must be None or a k3lab.infer.PrefixCache, got {type(prefix_cache).__name__}")
+    check_decoder(decoder, model_device(model))
+    if draft is not None and decoder != "eager":
+        raise ValueError(f"decoder={decoder!r} with draft={draft}: speculative decoding runs on the eager decoder "
+                         "(decoder='eager')")
     return _stream(model, rows, max_new_tokens, temperature, top_k, top_p, stop, generator, draft, prefix_cache,
-                   chunk_size, stats)
+                   chunk_size, stats, decoder)
 
 
 def _stream(model, rows, max_new_tokens, temperature, top_k, top_p, stop, generator, draft, prefix_cache,
-            chunk_size, stats):
+            chunk_size, stats, decoder="eager"):
     if max_new_tokens == 0:
+        return
+    if draft is None and decoder != "eager":
+        pre = prefill(model, rows, chunk_size, prefix_cache=prefix_cache, stats=stats)
+        seeds = torch.randint(0, 2 ** 31 - 1, (len(rows),), generator=generator,
+                              device=generator.device if generator is not None else "cpu")
+        new = decoder_for(model, decoder == "graph").decode(pre, max_new_tokens, temperature, top_k, top_p, stop,
+                                                            seeds, stats)
+        for i, tokens in enumerate(new):
+            for tok in tokens:
+                yield i, tok
         return
     if draft is None:
         pre = prefill(model, rows, chunk_size, prefix_cache=prefix_cache, stats=stats)
@@ -295,7 +310,8 @@ def _stream(model, rows, max_new_tokens, temperature, top_k, top_p, stop, genera
 def generate(model, prompts, max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None,
              top_p: float | None = None, stop=None, generator: torch.Generator | None = None, draft: int | None = None,
              prefix_cache=None, chunk_size: int = DEFAULT_CHUNK_TOKENS, max_prompt_tokens: int | None = None,
-             stats: GenerationStats | None = None, eos_token_id=EOS_FROM_CONFIG, allow_longer: bool = False):
+             stats: GenerationStats | None = None, eos_token_id=EOS_FROM_CONFIG, allow_longer: bool = False,
+             decoder: str = "eager"):
     """Continue each prompt by up to ``max_new_tokens`` tokens with the hybrid cache.
 
     prompts: a ``[B, T]`` LongTensor, or a list of prompts (lists of token ids or 1-D tensors) of any
@@ -308,7 +324,10 @@ def generate(model, prompts, max_new_tokens: int, temperature: float = 0.0, top_
     ``chunk_size``: prefill chunk. ``max_prompt_tokens``: refuse longer prompts. ``stats``: a
     :class:`GenerationStats` filled in place. A prompt plus ``max_new_tokens`` longer than
     ``config.max_position_embeddings`` (the trained context; the model is NoPE and would run, untested)
-    is refused unless ``allow_longer=True``.
+    is refused unless ``allow_longer=True``. ``decoder``: "eager" (functional caches, rows leave the batch
+    as they stop), "static" (preallocated caches, the step chooses tokens on the device) or "graph" (the
+    static step as one CUDA graph replay; CUDA only) — :mod:`k3lab.infer.static`; the static decoders
+    draw sampled tokens from per-row seeds taken from ``generator`` (the same greedy tokens as "eager").
 
     Returns each prompt followed by its continuation, in the prompts' form: a ``[B, T + n]`` tensor on
     the prompts' device, ``n`` the longest continuation (``<= max_new_tokens``; rows that stopped earlier
@@ -318,7 +337,7 @@ def generate(model, prompts, max_new_tokens: int, temperature: float = 0.0, top_
     rows, kind = normalize_prompts(prompts, model.config.vocab_size)
     new = [[] for _ in rows]
     for row, tok in stream(model, prompts, max_new_tokens, temperature, top_k, top_p, stop, generator, draft,
-                           prefix_cache, chunk_size, max_prompt_tokens, stats, eos_token_id, allow_longer):
+                           prefix_cache, chunk_size, max_prompt_tokens, stats, eos_token_id, allow_longer, decoder):
         new[row].append(tok)
     if kind == "tensor":
         width = prompts.shape[1] + max(len(n) for n in new)  # not + max_new_tokens: no padding past the longest row

@@ -15,6 +15,12 @@ The division is done in float32 as ``(z − max z) / τ``: every term is ``<= 0`
 probabilities (the distribution concentrates on the argmax) where ``z / τ`` would overflow to ``inf``
 and softmax give NaN. ``τ`` must itself be a float32 normal number: ``0 < τ < 1.2e-38``
 (``torch.finfo(torch.float32).tiny``) is refused, naming ``temperature``.
+
+**Seeded draws on the device** (:func:`sample_seeded`, used by the static/graphed decoder): the
+Gumbel-max trick ``argmax_i (log p_i + G_i)``, ``G_i = −log(−log u_i)``, draws exactly from ``p``. The
+uniforms come from a counter-based hash of (row seed, step, token id) rather than a stateful generator,
+so a row's draws depend on its own seed and step only: the same on CPU and CUDA, inside a CUDA graph
+and out of it, alone or in any batch.
 """
 
 from __future__ import annotations
@@ -75,3 +81,35 @@ def sample_next(logits: Tensor, temperature: float = 0.0, top_k: int | None = No
         return logits.argmax(dim=-1)
     probs = next_token_probs(logits, temperature, top_k, top_p)
     return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+
+MASK32 = 0xFFFFFFFF
+HASH_MULTIPLIERS = (0x7FEB352D, 0x5BD1E995)  # odd, < 2^31: a product with a 32-bit value fits int64 exactly
+
+
+def mix32(x: Tensor) -> Tensor:
+    """A 32-bit integer hash (xor-shift-multiply rounds) on int64 tensors holding values in [0, 2^32)."""
+    x = x & MASK32
+    for m in HASH_MULTIPLIERS:
+        x = ((x ^ (x >> 16)) * m) & MASK32
+    return x ^ (x >> 16)
+
+
+def counter_uniform(seeds: Tensor, step: Tensor, vocab: int) -> Tensor:
+    """Uniforms in (0, 1) [B, V] float32 from ``hash(hash(hash(seed_b) ^ step) ^ i)``; seeds [B] int64,
+    step: an int64 tensor broadcasting to [B] (the row's token index). 24 random bits each."""
+    row = mix32(mix32(seeds.long()) ^ (step.long() & MASK32))  # [B]
+    ids = torch.arange(vocab, device=seeds.device, dtype=torch.long)  # [V]
+    bits = mix32(row[:, None] ^ ids[None, :]) >> 8  # [B, V] in [0, 2^24)
+    return (bits.float() + 0.5) * (1.0 / (1 << 24))
+
+
+def sample_seeded(logits: Tensor, temperature: float, top_k: int | None, top_p: float | None, seeds: Tensor,
+                  step: Tensor) -> Tensor:
+    """logits [B, V] -> next token ids [B]: greedy at temperature 0, else the Gumbel-max draw from
+    :func:`next_token_probs` with :func:`counter_uniform` noise (module docstring). No host sync."""
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    probs = next_token_probs(logits, temperature, top_k, top_p)  # [B, V]
+    gumbel = -torch.log(-torch.log(counter_uniform(seeds, step, probs.shape[-1])))
+    return (probs.log() + gumbel).argmax(dim=-1)

@@ -482,14 +482,19 @@ def kda_decode_step(
     beta: Tensor,
     state: Tensor | None,
     scale: float | None = None,
+    out_state: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     r"""One fused recurrent step for generation (forward only): ``T`` must be 1.
 
     Args:
         q, k, g: ``[B, 1, H, K]``; v: ``[B, 1, H, V]``; beta: ``[B, 1, H]``; state: ``[B, H, K, V]``
         or None (zeros). Same conventions as :func:`triton_kda_chunk`.
+        out_state: where to write the new state (contiguous fp32 ``[B, H, K, V]``); it may be ``state``
+        itself — each program loads its ``[K, BV]`` tile before storing it, so the step runs in place
+        (graphed decoding keeps one state buffer). None: a new tensor.
     Returns:
-        ``(o [B, 1, H, V] in v.dtype, new_state [B, H, K, V] fp32)``; ``state`` is not modified.
+        ``(o [B, 1, H, V] in v.dtype, new_state [B, H, K, V] fp32)``; ``state`` is not modified unless it
+        is ``out_state``.
     """
     if isinstance(q, Tensor) and q.dim() == 4 and q.shape[1] != 1:
         raise ValueError(f"kda_decode_step takes one token, q [B, 1, H, K] (T == 1); got {tuple(q.shape)}; "
@@ -502,7 +507,13 @@ def kda_decode_step(
     if state is not None:
         state = state.float().contiguous()
     o = torch.empty_like(v)
-    new_state = torch.empty(B, H, K, V, dtype=torch.float32, device=q.device)
+    if out_state is None:
+        new_state = torch.empty(B, H, K, V, dtype=torch.float32, device=q.device)
+    elif out_state.shape != (B, H, K, V) or out_state.dtype != torch.float32 or not out_state.is_contiguous():
+        raise ValueError(f"out_state must be a contiguous float32 [B, H, K, V] = {(B, H, K, V)} tensor, got "
+                         f"{out_state.dtype} {tuple(out_state.shape)}")
+    else:
+        new_state = out_state
     BV = _block(V, LAUNCH["decode"]["BV"])
     kda_decode_kernel[(triton.cdiv(V, BV), B * H)](
         q, k, v, g, beta, state, o, new_state, scale,

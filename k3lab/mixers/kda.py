@@ -10,6 +10,8 @@ Per token ``x_t [D]`` and head ``h`` (``H`` heads, ``K = V = head_dim``)::
              = -e^{A_h} · softplus(z_t)                              ∈ (-∞, 0)^K  (kda_gate="kimi_linear")
     S_t      = (I − β_t k_t k_tᵀ) Diag(e^{g_t}) S_{t-1} + β_t k_t v_tᵀ,   õ_t = S_tᵀ (K^{-1/2} q_t)
     y_t      = W_o [ σ(W_g x_t) ⊙ RMSNorm_head(õ_t) ]                (g_proj full rank, no bias; o_norm [V])
+    W_g      = W_g↑ W_g↓                                             (Kimi Linear: g_b_proj ∘ g_a_proj, rank K,
+                                                                      linear_attn_config.use_full_rank_gate=False)
 
 The recurrence runs chunkwise (``k3lab.mixers.chunk.kda_chunk``) for prompts and training, one
 step at a time for decoding; the layer carries its state in a :class:`KDACache`, so feeding a
@@ -18,6 +20,7 @@ sequence piece by piece gives the same output as one forward over all of it.
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn as nn
@@ -40,12 +43,25 @@ class KDACache:
     recurrent: ``[B, H, K, V]`` float32 (float64 in float64 runs); fla's K-first layout.
     conv_q, conv_k, conv_v: ``[B, H*K, W-1]`` (``[B, H*V, W-1]`` for v), the last ``W-1``
     projected inputs of each short convolution, oldest first.
+
+    A forward returns a new cache and leaves this one untouched (a kept reference is a snapshot); for a
+    :class:`StaticKDACache` it writes into the given tensors instead.
     """
 
     recurrent: Tensor
     conv_q: Tensor
     conv_k: Tensor
     conv_v: Tensor
+    in_place: ClassVar[bool] = False  # StaticKDACache: a step overwrites these tensors
+
+
+
+class StaticKDACache(KDACache):
+    """A :class:`KDACache` that a forward updates in place (graphed decoding, :mod:`k3lab.infer.static`): the new
+    state and tails are written into these tensors and the same cache is returned — the fixed addresses a
+    CUDA graph replays."""
+
+    in_place = True
 
 
 def kda_gate(z: Tensor, A_log: Tensor, dt_bias: Tensor, kind: str = "k3",
@@ -222,7 +238,11 @@ class KDA(nn.Module):
         self.dt_bias = nn.Parameter(inverse_softplus_dt_bias(H * K))
         self.A_log._no_weight_decay = True
         self.dt_bias._no_weight_decay = True
-        self.g_proj = nn.Linear(D, H * V, bias=False)  # full-rank output gate (K3), not fla's low-rank one
+        if lac["use_full_rank_gate"]:
+            self.g_proj = nn.Linear(D, H * V, bias=False)  # full-rank output gate (K3), not fla's low-rank one
+        else:  # Kimi Linear: low-rank output gate of rank K, no biases (transformers' kimi_linear)
+            self.g_a_proj = nn.Linear(D, K, bias=False)  # W_g↓
+            self.g_b_proj = nn.Linear(K, H * V, bias=False)  # W_g↑
         self.o_norm = nn.RMSNorm(V, eps=cfg.rms_norm_eps)  # one [V] weight shared by all heads
         self.o_proj = nn.Linear(H * V, D, bias=False)
         self.muon_head_splits = {"q_proj": H, "k_proj": H, "v_proj": H}
@@ -249,19 +269,41 @@ class KDA(nn.Module):
         z = self.f_b_proj(self.f_a_proj(x)).view(B, T, H, K)
         g = kda_gate(z, self.A_log, self.dt_bias, self.gate_kind, self.lower_bound)  # [B, T, H, K]
         mix = self.mix if self.cp is None else lambda *a: self.cp.kda_mix(self, *a)  # KCP: affine chain
-        o, state = mix(q, k, v, g, beta, past[0])  # [B, T, H, V], [B, H, K, V]
+        in_place = cache is not None and cache.in_place
+        extra = {"out_state": past[0]} if in_place else {}  # a static cache: the new state into its own buffer
+        o, state = mix(q, k, v, g, beta, past[0], **extra)  # [B, T, H, V], [B, H, K, V]
         o = F.rms_norm(o.to(cdt), (V,), self.o_norm.weight.to(cdt), self.o_norm.eps)
-        o = torch.sigmoid(self.g_proj(x).to(cdt)).view(B, T, H, V) * o
+        o = torch.sigmoid(self.output_gate(x).to(cdt)).view(B, T, H, V) * o
         y = self.o_proj(o.reshape(B, T, H * V).to(x.dtype))  # [B, T, D]
+        if in_place:  # the state was written in place by mix; the tails are [B, D, W-1] copies
+            for tail, new_tail in zip(past[1:], (conv_q, conv_k, conv_v)):
+                tail.copy_(new_tail)
+            return y, cache
         return y, KDACache(state, conv_q, conv_k, conv_v)
+
+    def output_gate(self, x: Tensor) -> Tensor:
+        """The output gate's logits ``W_g x`` [B, T, H*V]: K3's full-rank ``g_proj`` or Kimi Linear's
+        ``g_b_proj(g_a_proj x)``."""
+        return self.g_proj(x) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x))
 
     @property
     def bounded_gate(self) -> bool:
         """True when every ``g ≥ -5``: the K3 gate with a bound fla's ``safe_gate`` and our kernels accept."""
         return self.gate_kind == "k3" and self.lower_bound >= KDA_GATE_LOWER_BOUND
 
-    def mix(self, q, k, v, g, beta, initial_state):
-        """Run the delta-rule recurrence on the chosen backend; returns ``(o [B, T, H, V], state [B, H, K, V])``."""
+    def mix(self, q, k, v, g, beta, initial_state, out_state=None):
+        """Run the delta-rule recurrence on the chosen backend; returns ``(o [B, T, H, V], state [B, H, K, V])``.
+
+        ``out_state``: a tensor to hold the new state (it may be ``initial_state``: the step runs in place);
+        the returned state is then ``out_state``."""
+        o, state = self.mix_backend(q, k, v, g, beta, initial_state, out_state)
+        if out_state is not None and state is not out_state:
+            out_state.copy_(state)
+            state = out_state
+        return o, state
+
+    def mix_backend(self, q, k, v, g, beta, initial_state, out_state=None):
+        """:meth:`mix` on the backend ``cfg.backend`` resolves to (``out_state`` is written only by our decode kernel)."""
         backend = resolve_backend(self.cfg.backend, q.device)
         decode = q.shape[1] == 1
         if self.kernel_recompute and backend != "triton" and torch.is_grad_enabled():
@@ -296,6 +338,8 @@ class KDA(nn.Module):
             raise RuntimeError("backend='triton': k3lab.kernels (triton_kda_chunk, kda_decode_step) cannot be imported "
                                f"({err}); use backend='torch' or 'fla'") from err
         if decode:
-            return kda_decode_step(q, k, v, g, beta, initial_state, scale=self.scale)
+            in_place = out_state is not None and out_state.dtype == torch.float32 and out_state.is_contiguous()
+            return kda_decode_step(q, k, v, g, beta, initial_state, scale=self.scale,
+                                   out_state=out_state if in_place else None)
         return triton_kda_chunk(q, k, v, g, beta, scale=self.scale, initial_state=initial_state, output_final_state=True,
                                 recompute=self.kernel_recompute)

@@ -4,6 +4,7 @@ DeepSeek-V2 MLA with NO positional encoding (NoPE) and a full-rank sigmoid outpu
 
     c^Q   = RMSNorm(W^DQ x)                                   q_a_proj, q_a_layernorm (eps 1e-6)
     q^h   = W^UQ,h c^Q = [q^C,h (nope) ; q^R,h (rope)]         q_b_proj [H*(nope+rope), q_lora]
+            (q_lora_rank None: q^h = W^Q,h x, one plain q_proj [H*(nope+rope), D], as Kimi-Linear-48B)
     [c^KV ; k^R] = W^DKV x,   c^KV <- RMSNorm(c^KV)            kv_a_proj_with_mqa, kv_a_layernorm (eps 1e-6)
     [k^C,h ; v^h] = W^UKV,h c^KV                               kv_b_proj [H*(nope+v), kv_lora]
     k^h   = [k^C,h ; k^R]                                      k^R shared by all heads, NOT rotated
@@ -73,6 +74,30 @@ class MLACache:
     def offset(self) -> int:
         """Absolute position of the next token (= number of cached tokens)."""
         return self.c_kv.shape[1]
+
+    def nbytes(self) -> int:
+        return self.c_kv.numel() * self.c_kv.element_size() + self.k_rope.numel() * self.k_rope.element_size()
+
+
+@dataclass
+class StaticMLACache:
+    """One MLA layer's preallocated decode cache, written in place (graphed decoding, :mod:`k3lab.infer.static`).
+
+    c_kv:     [B, S, kv_lora_rank]      slots for every token the decode will ever hold (S fixed)
+    k_rope:   [B, S, qk_rope_head_dim]
+    key_mask: [B, S] bool               True where a slot holds a real token (padding and unwritten slots False)
+    length:   int64 [1], on the device  the slot the next token is written to (all MLA layers of a
+              cache share this one tensor; the decoder advances it after each step)
+
+    A step writes its token's latent at slot ``length`` of every row and attends to the whole buffer
+    under ``key_mask``: the shapes and addresses never change, so a CUDA graph can replay the step.
+    The math is :class:`MLACache`'s: the same keys, the masked slots weigh exactly 0 after softmax.
+    """
+
+    c_kv: Tensor
+    k_rope: Tensor
+    key_mask: Tensor
+    length: Tensor
 
     def nbytes(self) -> int:
         return self.c_kv.numel() * self.c_kv.element_size() + self.k_rope.numel() * self.k_rope.element_size()
@@ -173,9 +198,12 @@ class GatedMLA(nn.Module):
         self.rope_theta = cfg.rope_theta
         self.use_output_gate = cfg.mla_use_output_gate
 
-        self.q_a_proj = nn.Linear(D, cfg.q_lora_rank, bias=False)
-        self.q_a_layernorm = nn.RMSNorm(cfg.q_lora_rank, eps=MLA_LATENT_NORM_EPS)
-        self.q_b_proj = nn.Linear(cfg.q_lora_rank, H * self.qk_head_dim, bias=False)
+        if cfg.q_lora_rank is None:  # Kimi Linear: one full-rank query projection, no latent
+            self.q_proj = nn.Linear(D, H * self.qk_head_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(D, cfg.q_lora_rank, bias=False)
+            self.q_a_layernorm = nn.RMSNorm(cfg.q_lora_rank, eps=MLA_LATENT_NORM_EPS)
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, H * self.qk_head_dim, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(D, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=False)
         self.kv_a_layernorm = nn.RMSNorm(cfg.kv_lora_rank, eps=MLA_LATENT_NORM_EPS)
         self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, H * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
@@ -183,7 +211,7 @@ class GatedMLA(nn.Module):
             self.g_proj = nn.Linear(D, H * cfg.v_head_dim, bias=False)
         self.o_proj = nn.Linear(H * cfg.v_head_dim, D, bias=False)
 
-        self.muon_head_splits = {"q_b_proj": H, "kv_b_proj": H}
+        self.muon_head_splits = {"q_proj" if cfg.q_lora_rank is None else "q_b_proj": H, "kv_b_proj": H}
         self.attn_form = "auto"
         self.track_max_logit = cfg.qk_clip_tau is not None  # only QK-Clip reads it (an extra QK^T pass on the fused path)
         self.register_buffer("max_logit", torch.zeros(H), persistent=False)
@@ -195,7 +223,8 @@ class GatedMLA(nn.Module):
 
         positions: RoPE positions [B, T] per row (None: ``offset .. offset+T-1`` for every row)."""
         B, T, _ = x.shape
-        q = self.q_b_proj(latent_norm(self.q_a_layernorm, self.q_a_proj(x))).view(B, T, self.num_heads, self.qk_head_dim)
+        q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(latent_norm(self.q_a_layernorm, self.q_a_proj(x)))
+        q = q.view(B, T, self.num_heads, self.qk_head_dim)
         q_nope, q_rope = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         c_kv, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         c_kv = latent_norm(self.kv_a_layernorm, c_kv)
@@ -260,9 +289,11 @@ class GatedMLA(nn.Module):
             self.max_logit = max_logit.float()
         return o
 
-    def forward(self, x: Tensor, cache: MLACache | None = None) -> tuple[Tensor, MLACache]:
+    def forward(self, x: Tensor, cache: MLACache | StaticMLACache | None = None) -> tuple[Tensor, MLACache]:
         if self.attn_form not in ATTN_FORMS:
             raise ValueError(f"attn_form={self.attn_form!r}: allowed values are {ATTN_FORMS}")
+        if isinstance(cache, StaticMLACache):
+            return self.forward_static(x, cache)
         B, T, _ = x.shape
         offset = 0 if cache is None else cache.offset
         key_mask = positions = None
@@ -281,9 +312,30 @@ class GatedMLA(nn.Module):
                 self.attn_form == "auto" and cache is not None and T <= ABSORBED_MAX_QUERIES)
             attend = self.attend_absorbed if absorbed else self.attend_naive
             o = attend(q_nope, q_rope, c_kv, k_rope, offset, key_mask).flatten(2)  # [B, T, H*V], fp32: K3 keeps it so
+        return self.output(x, o), MLACache(c_kv, k_rope, key_mask)
+
+    def output(self, x: Tensor, o: Tensor) -> Tensor:
+        """y = W^O [sigmoid(W_g x) * o] (the gate when ``mla_use_output_gate``); x [B, T, D], o [B, T, H*V] fp32."""
         if self.use_output_gate:
             o = torch.sigmoid(self.g_proj(x).to(o.dtype)) * o  # G1 gate: elementwise, from the layer input
-        return self.o_proj(o.to(x.dtype)), MLACache(c_kv, k_rope, key_mask)
+        return self.o_proj(o.to(x.dtype))
+
+    def forward_static(self, x: Tensor, cache: StaticMLACache) -> tuple[Tensor, StaticMLACache]:
+        """One decode token per row on a :class:`StaticMLACache`: write its latent at slot ``cache.length``,
+        attend (absorbed form) to every slot under the key mask. x [B, 1, D] -> (y [B, 1, D], the same cache)."""
+        B, T, _ = x.shape
+        if T != 1:
+            raise ValueError(f"StaticMLACache: one token a step (x [B, 1, D]), got T={T}")
+        if self.cp is not None:
+            raise ValueError("StaticMLACache: decoding does not run under context parallelism (layer.cp is set)")
+        positions = cache.key_mask.sum(1, keepdim=True) if self.use_rope else None  # [B, 1] real keys before it
+        q_nope, q_rope, c_kv, k_rope = self.project(x, 0, positions)
+        cache.c_kv.index_copy_(1, cache.length, c_kv.to(cache.c_kv.dtype))  # [B, S, R], slot `length`
+        cache.k_rope.index_copy_(1, cache.length, k_rope.to(cache.k_rope.dtype))
+        cache.key_mask.index_fill_(1, cache.length, True)
+        S = cache.c_kv.shape[1]  # the query sits after every slot: the key mask alone decides what it sees
+        o = self.attend_absorbed(q_nope, q_rope, cache.c_kv, cache.k_rope, S - 1, cache.key_mask).flatten(2)
+        return self.output(x, o), cache
 
     def cache_numbers_per_token(self) -> int:
         """Numbers cached per token by this layer: kv_lora_rank + qk_rope_head_dim (576 in K3)."""
@@ -305,7 +357,8 @@ def qk_clip_(mla: nn.Module, tau: float = 100.0) -> Tensor:
     ``S_max^h > τ``: ``γ_h = τ/S_max^h``; the head's q-nope rows of ``q_b_proj`` and k-nope rows of
     ``kv_b_proj`` are scaled by ``sqrt(γ_h)`` (their product by γ_h), its q-rope rows by γ_h, and the
     shared k-rope (from ``kv_a_proj_with_mqa``) is untouched, so every logit of head h scales by γ_h.
-    Row layout per head: ``q_b_proj`` = [q_nope; q_rope], ``kv_b_proj`` = [k_nope; v] (v untouched).
+    Row layout per head: ``q_b_proj`` = [q_nope; q_rope], ``kv_b_proj`` = [k_nope; v] (v untouched);
+    with ``q_lora_rank`` None the rows of ``q_proj`` (same layout).
     Returns γ [H] (1 where no clip). ``mla.max_logit`` is updated to the clipped value.
     """
     H, dn, dr, dv = mla.num_heads, mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim
@@ -316,7 +369,7 @@ def qk_clip_(mla: nn.Module, tau: float = 100.0) -> Tensor:
     sq = gamma.sqrt()[:, None]                                                  # [H, 1]
     q_rows = torch.cat([sq.expand(H, dn), gamma[:, None].expand(H, dr)], 1)     # [H, dn+dr] per q_b_proj row
     kv_rows = torch.cat([sq.expand(H, dn), torch.ones(H, dv, device=gamma.device)], 1)  # [H, dn+dv]
-    scale_rows_(mla.q_b_proj.weight, q_rows.reshape(-1))
+    scale_rows_((mla.q_proj if mla.q_lora_rank is None else mla.q_b_proj).weight, q_rows.reshape(-1))
     scale_rows_(mla.kv_b_proj.weight, kv_rows.reshape(-1))
     mla.max_logit.copy_(torch.minimum(s_max, torch.full_like(s_max, tau)).to(mla.max_logit.dtype))
     return gamma
@@ -340,7 +393,7 @@ def scale_rows_(weight: Tensor, row_scale: Tensor) -> None:
 
 
 def qk_clip_model_(model: nn.Module, tau: float = 100.0) -> dict[str, Tensor]:
-    """Apply :func:`qk_clip_` to every module that has ``max_logit`` and ``q_b_proj`` (the MLA layers)."""
+    """Apply :func:`qk_clip_` to every module that has ``max_logit`` and ``kv_b_proj`` (the MLA layers)."""
     return {name: qk_clip_(m, tau) for name, m in model.named_modules()
-            if hasattr(m, "max_logit") and hasattr(m, "q_b_proj")}
+            if hasattr(m, "max_logit") and hasattr(m, "kv_b_proj")}
 

@@ -211,13 +211,17 @@ class RoutedExperts(nn.Module):
         return torch.cat(outs)
 
     def forward_padded(self, x: Tensor, counts: Tensor, weights: ExpertWeights | None = None) -> Tensor:
-        """Scatter the groups into ``[E, C, L]`` (C = largest group, zero padding), three ``bmm``, gather back."""
+        """Scatter the groups into ``[E, C, L]`` (C = largest group, zero padding), three ``bmm``, gather back.
+
+        While a CUDA graph is being captured C is ``S`` (the bound no group exceeds), so that no value is
+        read back to the host; the padding rows are zeros and every row's result is the same."""
         w1, w3, w2 = self._weights(weights)
         E, S = counts.numel(), x.shape[0]
+        capacity = S if x.is_cuda and torch.cuda.is_current_stream_capturing() else int(counts.max())
         starts = counts.cumsum(0) - counts                                          # [E]
         expert = torch.repeat_interleave(torch.arange(E, device=x.device), counts, output_size=S)  # [S]
         slot = torch.arange(S, device=x.device) - starts[expert]                    # [S] position in its group
-        x_pad = x.new_zeros(E, int(counts.max()), x.shape[1]).index_put((expert, slot), x)  # [E, C, L]
+        x_pad = x.new_zeros(E, capacity, x.shape[1]).index_put((expert, slot), x)  # [E, C, L]
         h = self._act(torch.bmm(x_pad, w1.mT), torch.bmm(x_pad, w3.mT))            # [E, C, I]
         return torch.bmm(h, w2.mT)[expert, slot]                                    # [S, L]
 
