@@ -10,22 +10,19 @@ Besides the checkpoint fields there are experiment switches (not in K3's config.
 kda_gate, residual, mlp_kind, balancer, qb_num_bins, aux_loss_coef, mtp_loss_weight, qk_clip_tau, backend.
 `mla_use_nope=False` turns RoPE on in MLA for the NoPE-vs-RoPE experiment.
 
-`from_hf_config` / `to_hf_config` read and write the released `config.json` exactly (docs/hf_checkpoint.md):
-the multimodal wrapper (`KimiK3ForConditionalGeneration`, text fields under `text_config`), the release's
-names for three fields (`num_experts`, `num_experts_per_token`, `num_shared_experts`; the DeepSeek-style
-names of the dataclass are read too) and the layer schedule inside `linear_attn_config`
-(`full_attn_layers`, `kda_layers`, 1-based).
+Kimi Linear (K3's ancestor) is the same dataclass with its variants switched on: ``q_lora_rank=None``
+(plain ``q_proj``), ``linear_attn_config["use_full_rank_gate"]=False`` (low-rank KDA output gate),
+``kda_gate="kimi_linear"``, ``mla_use_output_gate=False``, ``residual="prenorm"``, ``mlp_kind="moe"``,
+``hidden_act="swiglu"``.
+
+Plain data: this module imports nothing else from k3lab. Reading and writing Hugging Face ``config.json``
+files (K3's release and both Kimi Linear dialects) lives in :mod:`k3lab.hf.config` (docs/hf_checkpoint.md).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import warnings
 from dataclasses import dataclass, field
-from pathlib import Path
-
-from k3lab.mxfp4 import check_quantization_config
 
 # every allowed-value list and shared constant of k3lab is defined here, once, and imported elsewhere
 KDA_GATES = ("k3", "kimi_linear")
@@ -39,43 +36,6 @@ DEVICES = ("auto", "cpu", "cuda")  # plus "cuda:N" where a device index is accep
 DTYPES = ("float32", "bfloat16")  # a float dtype by name: TrainConfig.dtype, param_dtype, moment_dtype; Muon ns_dtype
 RUNNABLE_PRESETS = ("tiny", "small")  # the presets one machine builds and trains (the course, k3lab.parallel.run)
 PRESETS = RUNNABLE_PRESETS + ("k3",)  # "k3": the meta device only
-
-# --- the released config.json (docs/hf_checkpoint.md) --------------------------------------------
-HF_ARCHITECTURE = "KimiK3ForConditionalGeneration"  # the wrapper's architectures[0]
-HF_MODEL_TYPE = "kimi_k3"
-HF_TEXT_ARCHITECTURE = "KimiLinearForCausalLM"  # text_config.architectures[0]
-HF_TEXT_MODEL_TYPE = "kimi_linear"
-HF_ARCHITECTURES = (HF_ARCHITECTURE, HF_TEXT_ARCHITECTURE)
-HF_MODEL_TYPES = (HF_MODEL_TYPE, HF_TEXT_MODEL_TYPE)
-# release name -> ModelConfig field (the dataclass keeps the DeepSeek-style names; both are read)
-HF_ALIASES = {"num_experts": "n_routed_experts", "num_experts_per_token": "num_experts_per_tok",
-              "num_shared_experts": "n_shared_experts"}
-# keys of the release that k3lab does not store but checks: key -> (values k3lab builds, value written).
-# A config asking for anything else is refused, never silently built as something different.
-HF_CHECKED = {
-    "topk_method": (("noaux_tc",), "noaux_tc"),  # top-k on sigmoid score + correction bias
-    "use_grouped_topk": ((True, False), True),  # with one group, grouped top-k is plain top-k
-    "num_expert_group": ((1,), 1),
-    "topk_group": ((1,), 1),
-    "moe_layer_freq": ((1,), 1),  # every layer from first_k_dense_replace on is MoE
-    "moe_router_activation_func": (("sigmoid",), "sigmoid"),
-}
-# the wrapper's keys besides text_config (token ids and tie_word_embeddings must agree with it)
-HF_WRAPPER_KEYS = ("architectures", "model_type", "text_config", "bos_token_id", "eos_token_id", "pad_token_id",
-                   "tie_word_embeddings", "quantization_config")
-# fields whose dataclass default is the tiny preset's: a config.json must give them (no silent tiny default)
-HF_REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "linear_attn_config", "num_attention_heads",
-               "num_key_value_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
-               "v_head_dim", "intermediate_size", "n_routed_experts", "num_experts_per_tok", "n_shared_experts",
-               "moe_intermediate_size", "routed_expert_hidden_size", "attn_res_block_size",
-               "bos_token_id", "eos_token_id", "pad_token_id")
-HF_LINEAR_ATTN_REQUIRED = ("num_heads", "head_dim")
-# k3lab's own switches: not in the release; to_hf_config writes those that differ from the default
-# under text_config["k3lab"], so that every ModelConfig round-trips
-EXPERIMENT_FIELDS = ("kda_gate", "residual", "mlp_kind", "balancer", "qb_num_bins", "aux_loss_coef",
-                     "mtp_loss_weight", "qk_clip_tau", "backend")
-HF_EXPERIMENT_KEY = "k3lab"
-
 
 def _default_linear_attn_config() -> dict:
     return dict(num_heads=2, head_dim=32, short_conv_kernel_size=4, gate_lower_bound=KDA_GATE_LOWER_BOUND, use_full_rank_gate=True)
@@ -93,7 +53,7 @@ class ModelConfig:
     # --- Gated MLA (docs/k3_reference.md §3) -----------------------------------------------------------------
     num_attention_heads: int = 2  # MLA heads H (K3: 96)
     num_key_value_heads: int = 2  # = num_attention_heads: MLA has no GQA
-    q_lora_rank: int = 48  # query latent width (K3: 1536)
+    q_lora_rank: int | None = 48  # query latent width (K3: 1536); None = plain q_proj (Kimi-Linear-48B)
     kv_lora_rank: int = 32  # cached KV latent c_kv (K3: 512)
     qk_nope_head_dim: int = 16  # per-head q/k part from the latent (K3: 128)
     qk_rope_head_dim: int = 8  # per-head q part / shared k part, NOT rotated under NoPE (K3: 64)
@@ -152,12 +112,15 @@ class ModelConfig:
             if not ok:
                 raise ValueError(msg)
 
-        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "q_lora_rank",
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                      "kv_lora_rank", "qk_nope_head_dim", "v_head_dim", "intermediate_size", "n_routed_experts",
                      "num_experts_per_tok", "moe_intermediate_size", "routed_expert_hidden_size",
                      "attn_res_block_size", "qb_num_bins", "max_position_embeddings"):
             v = getattr(self, name)
             need(isinstance(v, int) and not isinstance(v, bool) and v >= 1, f"{name}={v!r}: must be an integer >= 1")
+        q = self.q_lora_rank
+        need(q is None or (isinstance(q, int) and not isinstance(q, bool) and q >= 1),
+             f"q_lora_rank={q!r}: must be an integer >= 1 or None (plain q_proj)")
         for name in ("qk_rope_head_dim", "first_k_dense_replace", "n_shared_experts", "num_nextn_predict_layers"):
             v = getattr(self, name)
             need(isinstance(v, int) and not isinstance(v, bool) and v >= 0, f"{name}={v!r}: must be an integer >= 0")
@@ -181,7 +144,9 @@ class ModelConfig:
         for key in ("num_heads", "head_dim", "short_conv_kernel_size"):
             need(isinstance(lac[key], int) and lac[key] >= 1, f"linear_attn_config.{key}={lac[key]!r}: must be an integer >= 1")
         need(lac["gate_lower_bound"] < 0, f"linear_attn_config.gate_lower_bound={lac['gate_lower_bound']}: must be < 0 (K3: {KDA_GATE_LOWER_BOUND})")
-        need(lac["use_full_rank_gate"] is True, "linear_attn_config.use_full_rank_gate: only the K3 full-rank gate (True) is built")
+        need(isinstance(lac["use_full_rank_gate"], bool), f"linear_attn_config.use_full_rank_gate="
+             f"{lac['use_full_rank_gate']!r}: allowed values are (True, False) (K3's full-rank g_proj / Kimi Linear's "
+             "low-rank g_a_proj, g_b_proj)")
         for name, allowed in (("kda_gate", KDA_GATES), ("residual", RESIDUALS), ("mlp_kind", MLP_KINDS),
                               ("balancer", BALANCERS), ("hidden_act", HIDDEN_ACTS), ("backend", BACKENDS)):
             need(getattr(self, name) in allowed, f"{name}={getattr(self, name)!r}: allowed values are {allowed}")
@@ -251,63 +216,6 @@ class ModelConfig:
             max_position_embeddings=1048576,
         )
 
-    @classmethod
-    def from_hf_config(cls, cfg: dict | str | Path, *, source: str | None = None, **overrides) -> "ModelConfig":
-        """Read a K3 ``config.json`` (a path, or its parsed dict) exactly; ``overrides`` then replace fields
-        (experiment switches such as ``backend``).
-
-        Accepted: the release's wrapper (``architectures`` [KimiK3ForConditionalGeneration], text fields under
-        ``text_config``) or a bare text config (KimiLinearForCausalLM); the release's names ``num_experts`` /
-        ``num_experts_per_token`` / ``num_shared_experts`` or the dataclass's (given both ways they must agree);
-        the schedule as ``linear_attn_config.full_attn_layers`` and/or ``.kda_layers`` (1-based, together a
-        partition of 1..num_hidden_layers) or as a top-level ``full_attn_layers``. The keys of
-        :data:`HF_CHECKED` must hold what k3lab builds, and ``quantization_config`` must be MXFP4 weights
-        (:func:`k3lab.mxfp4.check_quantization_config`). Keys k3lab does not use are listed in one UserWarning.
-        The fields of :data:`HF_REQUIRED` must be present. Errors are ValueErrors naming the file
-        (``source``, default the path) and the field.
-        """
-        if isinstance(cfg, dict):
-            where = source or "config"
-        else:
-            where = source or str(cfg)
-            try:
-                cfg = json.loads(Path(cfg).read_text())
-            except FileNotFoundError:
-                raise ValueError(f"{where}: no such config file") from None
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{where}: not valid JSON ({err})") from None
-        kwargs, unused = _parse_hf_config(cfg, where)
-        if unused:
-            warnings.warn(f"{where}: keys k3lab does not use, ignored: {unused}", UserWarning, stacklevel=2)
-        try:
-            out = cls(**kwargs)
-            return out.replace(**overrides) if overrides else out
-        except ValueError as err:
-            raise ValueError(f"{where}: {err}") from None
-
-    def to_hf_config(self) -> dict:
-        """This config as the released ``config.json``: the wrapper with ``text_config``, the release's names,
-        the schedule in ``linear_attn_config`` (``full_attn_layers`` and ``kda_layers``, 1-based), the
-        :data:`HF_CHECKED` keys at the values k3lab builds; experiment switches that differ from their
-        defaults under ``text_config["k3lab"]``. ``from_hf_config(to_hf_config()) == self`` for every config;
-        ``preset("k3").to_hf_config()`` equals the release's text-model fields. JSON-serialisable."""
-        L = self.num_hidden_layers
-        full = list(self.full_attn_layers)
-        lac = dict(self.linear_attn_config, full_attn_layers=full,
-                   kda_layers=[i for i in range(1, L + 1) if i not in full])
-        skip = set(EXPERIMENT_FIELDS) | set(HF_ALIASES.values()) | {"full_attn_layers", "linear_attn_config"}
-        text = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in skip}
-        text.update({hf: getattr(self, name) for hf, name in HF_ALIASES.items()})
-        text.update({key: written for key, (_, written) in HF_CHECKED.items()})
-        text.update(architectures=[HF_TEXT_ARCHITECTURE], model_type=HF_TEXT_MODEL_TYPE, linear_attn_config=lac)
-        defaults = {f.name: f.default for f in dataclasses.fields(self)}
-        switches = {k: getattr(self, k) for k in EXPERIMENT_FIELDS if getattr(self, k) != defaults[k]}
-        if switches:
-            text[HF_EXPERIMENT_KEY] = switches
-        return {"architectures": [HF_ARCHITECTURE], "model_type": HF_MODEL_TYPE, "bos_token_id": self.bos_token_id,
-                "eos_token_id": self.eos_token_id, "pad_token_id": self.pad_token_id,
-                "text_config": dict(sorted(text.items())), "tie_word_embeddings": self.tie_word_embeddings}
-
     # ------------------------------------------------------------------------------------------
     def param_counts(self) -> dict:
         """Parameters by component, total and active per token.
@@ -334,8 +242,10 @@ class ModelConfig:
                + 3 * H * K * W  # q/k/v short convs
                + D * K + K * H * K + H * K + H  # f_a_proj, f_b_proj, dt_bias, A_log
                + D * H  # b_proj
-               + D * H * K + K + H * K * D)  # g_proj, o_norm, o_proj
-        mla = (D * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * Hm * qk  # q_a_proj, q_a_layernorm, q_b_proj
+               + (D * H * K if self.linear_attn_config["use_full_rank_gate"] else D * K + K * H * K)  # g_proj | g_a, g_b
+               + K + H * K * D)  # o_norm, o_proj
+        ql = self.q_lora_rank
+        mla = ((D * Hm * qk if ql is None else D * ql + ql + ql * Hm * qk)  # q_proj | q_a_proj, q_a_layernorm, q_b_proj
                + D * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank  # kv_a_proj_with_mqa, kv_a_layernorm
                + self.kv_lora_rank * Hm * (self.qk_nope_head_dim + self.v_head_dim)  # kv_b_proj
                + (D * Hm * self.v_head_dim if self.mla_use_output_gate else 0)  # g_proj
@@ -378,112 +288,3 @@ class ModelConfig:
             add("mtp", 2 * D + 2 * D * D + mla + 2 * D + mlp + D, 0)  # enorm, hnorm, eh_proj, block, final norm
         by = {k: {"total": t, "active": a} for k, (t, a) in comp.items()}
         return {"total": sum(t for t, _ in comp.values()), "active": sum(a for _, a in comp.values()), "by_component": by}
-
-
-# ----------------------------------------------------------------------------------------------
-# config.json parsing (ModelConfig.from_hf_config)
-# ----------------------------------------------------------------------------------------------
-def _check_identity(cfg: dict, prefix: str, where: str) -> None:
-    """``architectures`` / ``model_type`` (where given) must name Kimi K3."""
-    arch = cfg.get("architectures")
-    if arch is not None and not (isinstance(arch, list) and any(a in HF_ARCHITECTURES for a in arch)):
-        raise ValueError(f"{where}: {prefix}architectures={arch!r}: not a Kimi K3 config "
-                         f"(k3lab reads {list(HF_ARCHITECTURES)})")
-    model_type = cfg.get("model_type")
-    if model_type is not None and model_type not in HF_MODEL_TYPES:
-        raise ValueError(f"{where}: {prefix}model_type={model_type!r}: not a Kimi K3 config "
-                         f"(k3lab reads {list(HF_MODEL_TYPES)})")
-
-
-def _layer_list(value, field_name: str, where: str) -> list:
-    if not (isinstance(value, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in value)):
-        raise ValueError(f"{where}: {field_name}={value!r}: must be a list of 1-based layer indices")
-    return list(value)
-
-
-def _parse_hf_config(cfg: dict, where: str) -> tuple[dict, list[str]]:
-    """(ModelConfig keyword arguments, keys k3lab does not use) from a parsed config.json."""
-    def fail(msg: str):
-        raise ValueError(f"{where}: {msg}")
-
-    if not isinstance(cfg, dict):
-        fail(f"a config must be a JSON object, got {type(cfg).__name__}")
-    unused: list[str] = []
-    quant = cfg.get("quantization_config")
-    if "text_config" in cfg:  # the release's multimodal wrapper
-        _check_identity(cfg, "", where)
-        text, prefix = cfg["text_config"], "text_config."
-        if not isinstance(text, dict):
-            fail(f"text_config must be a JSON object, got {type(text).__name__}")
-        text = dict(text)
-        for key in ("bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings"):
-            if key in cfg:
-                if key in text and text[key] != cfg[key]:
-                    fail(f"{key}={cfg[key]!r} and text_config.{key}={text[key]!r} disagree")
-                text[key] = cfg[key]
-        if "quantization_config" in text and quant is not None:
-            fail("quantization_config is given both at the top level and in text_config")
-        unused += [k for k in cfg if k not in HF_WRAPPER_KEYS]  # vision_config, transformers_version, ...
-    else:
-        text, prefix = dict(cfg), ""
-    _check_identity(text, prefix, where)
-    quant = text.pop("quantization_config", quant)
-    if quant is not None:
-        check_quantization_config(quant, where)
-
-    names = {f.name for f in dataclasses.fields(ModelConfig)}
-    for hf, name in HF_ALIASES.items():  # the release's name and the dataclass's name of one field
-        if hf in text:
-            if name in text and text[name] != text[hf]:
-                fail(f"{prefix}{hf}={text[hf]!r} and {prefix}{name}={text[name]!r} disagree "
-                     "(one field under the release's and the DeepSeek-style name)")
-            text[name] = text.pop(hf)
-    for key, (allowed, _) in HF_CHECKED.items():
-        value = text.pop(key, allowed[0])
-        if value not in allowed or isinstance(value, bool) != isinstance(allowed[0], bool):
-            fail(f"{prefix}{key}={value!r}: k3lab builds {allowed[0]!r} only (allowed values: {allowed})")
-    switches = text.pop(HF_EXPERIMENT_KEY, {})
-    if not isinstance(switches, dict) or set(switches) - set(EXPERIMENT_FIELDS):
-        fail(f"{prefix}{HF_EXPERIMENT_KEY}={switches!r}: k3lab's switches are a dict with keys from {EXPERIMENT_FIELDS}")
-    missing = [k for k in HF_REQUIRED if k not in text]
-    if missing:
-        fail(f"missing field(s) {[prefix + k for k in missing]} (a K3 config gives every one; Kimi Linear or "
-             "DeepSeek configs without the latent MoE / AttnRes fields are not K3)")
-
-    lac = text.pop("linear_attn_config")
-    if not isinstance(lac, dict):
-        fail(f"{prefix}linear_attn_config={lac!r}: must be a JSON object")
-    lac = dict(lac)
-    missing = [k for k in HF_LINEAR_ATTN_REQUIRED if k not in lac]
-    if missing:
-        fail(f"missing field(s) {[prefix + 'linear_attn_config.' + k for k in missing]}")
-    L = text["num_hidden_layers"]
-    if not isinstance(L, int) or L < 1:
-        fail(f"{prefix}num_hidden_layers={L!r}: must be an integer >= 1")
-    lac_full = f"{prefix}linear_attn_config.full_attn_layers"
-    full = _layer_list(lac.pop("full_attn_layers"), lac_full, where) if "full_attn_layers" in lac else None
-    if "full_attn_layers" in text:
-        top = _layer_list(text.pop("full_attn_layers"), f"{prefix}full_attn_layers", where)
-        if full is not None and full != top:
-            fail(f"{prefix}full_attn_layers={top} and {lac_full}={full} disagree")
-        full = top
-    if "kda_layers" in lac:
-        kda_field = f"{prefix}linear_attn_config.kda_layers"
-        kda = _layer_list(lac.pop("kda_layers"), kda_field, where)
-        if full is None:
-            full = [i for i in range(1, L + 1) if i not in kda]
-        both = sorted(set(kda) & set(full))
-        neither = sorted(set(range(1, L + 1)) - set(kda) - set(full))
-        outside = sorted(i for i in kda if not 1 <= i <= L)
-        if both or neither or outside or len(set(kda)) != len(kda):
-            fail(f"{kda_field} contradicts {lac_full}: together they must list each layer 1..{L} once "
-                 f"(in both: {both}, in neither: {neither}, outside 1..{L}: {outside}, "
-                 f"repeated: {sorted(i for i in set(kda) if kda.count(i) > 1)})")
-    if full is None:
-        fail(f"missing field {lac_full} (or .kda_layers): the layer schedule")
-    known_lac = set(_default_linear_attn_config())
-    unused += [f"{prefix}linear_attn_config.{k}" for k in lac if k not in known_lac]
-    kwargs = {k: v for k, v in text.items() if k in names and k not in EXPERIMENT_FIELDS}
-    unused += [prefix + k for k in text if k not in kwargs and k not in ("architectures", "model_type")]
-    kwargs.update(switches, full_attn_layers=full, linear_attn_config={k: v for k, v in lac.items() if k in known_lac})
-    return kwargs, unused

@@ -6,6 +6,7 @@ import pytest
 
 from k3lab.backend import resolve_backend, resolve_device
 from k3lab.config import ModelConfig
+from k3lab.hf.config import from_hf_config
 from k3lab.experiments.nb import check_param, check_params
 
 # the K3 text backbone's config.json fields (docs/k3_reference.md §1) in k3lab's earlier style: DeepSeek-style
@@ -52,11 +53,11 @@ def test_small_preset_active_range():
 
 
 def test_from_hf_config_dict_and_path(tmp_path):
-    cfg = ModelConfig.from_hf_config(K3_HF_CONFIG)
+    cfg = from_hf_config(K3_HF_CONFIG)
     assert cfg.param_counts() == ModelConfig.preset("k3").param_counts()
     path = tmp_path / "config.json"
     path.write_text(json.dumps({"text_config": K3_HF_CONFIG}))
-    assert ModelConfig.from_hf_config(path).full_attn_layers[-1] == 93
+    assert from_hf_config(path).full_attn_layers[-1] == 93
 
 
 @pytest.mark.parametrize("changes, field", [

@@ -1,4 +1,4 @@
-"""The HF checkpoint layout (k3lab.hf_checkpoint, k3lab.mxfp4): the released K3's names and shapes on the meta
+"""The HF checkpoint layout (k3lab.hf.checkpoint, k3lab.hf.mxfp4): the released K3's names and shapes on the meta
 device; tiny checkpoints written by us and read back (bf16 bit-exact; MXFP4 equal to compressed-tensors' own
 quantize -> dequantize and to the plain-PyTorch decode); subsets of layers on meta; bad input named."""
 
@@ -11,9 +11,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from k3lab import mxfp4
 from k3lab.config import ModelConfig
-from k3lab.hf_checkpoint import (FP32_SUFFIXES, INDEX_FILE, PREFIX, SINGLE_FILE, load_hf_checkpoint,
+from k3lab.hf import mxfp4
+from k3lab.hf.config import from_hf_config
+from k3lab.hf.checkpoint import (FP32_SUFFIXES, INDEX_FILE, PREFIX, SINGLE_FILE, load_hf_checkpoint,
                                  save_hf_checkpoint, stored_dtype, tensor_specs)
 from k3lab.model import K3ForCausalLM
 
@@ -62,7 +63,7 @@ def stored(path: Path) -> dict:
 def test_k3_names_and_shapes_are_the_release_layout():
     """The release's tensor list (its model-inspection report) for the dense layer 0, the MoE KDA layer 1, the
     MLA layer 3 and the globals, against what k3lab would write for preset("k3") (meta device)."""
-    cfg = ModelConfig.from_hf_config(FIXTURE)
+    cfg = from_hf_config(FIXTURE)
     with torch.device("meta"):
         model = K3ForCausalLM(cfg)
     specs = tensor_specs(model, mxfp4_experts=True, a_log_padded_to=128, layers=[0, 1, 3])

@@ -1,4 +1,4 @@
-"""ModelConfig.from_hf_config / to_hf_config against the released K3 config.json (tests/fixtures/k3_config.json:
+"""k3lab.hf.config.from_hf_config / to_hf_config against the released K3 config.json (tests/fixtures/k3_config.json:
 the release's text-model fields, verbatim): exact reading, both name styles, the schedule in
 linear_attn_config, refused architecture switches, one warning for unused keys, errors naming file and field."""
 
@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from k3lab.config import HF_CHECKED, ModelConfig
+from k3lab.config import ModelConfig
+from k3lab.hf.config import HF_CHECKED, from_hf_config, to_hf_config
 
 FIXTURE = Path(__file__).parent / "fixtures" / "k3_config.json"
 RELEASE = json.loads(FIXTURE.read_text())
@@ -41,7 +42,7 @@ def release(**text_changes) -> dict:
 def read_quietly(cfg, **kw) -> ModelConfig:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        return ModelConfig.from_hf_config(cfg, **kw)
+        return from_hf_config(cfg, **kw)
 
 
 def write(tmp_path, cfg: dict) -> Path:
@@ -65,7 +66,7 @@ def test_release_config_is_the_k3_preset():
 
 
 def test_to_hf_config_writes_the_release_back():
-    out = ModelConfig.preset("k3").to_hf_config()
+    out = to_hf_config(ModelConfig.preset("k3"), "k3")
     assert json.loads(json.dumps(out)) == RELEASE  # every key and value, release names, schedule in linear_attn_config
 
 
@@ -76,9 +77,9 @@ def test_to_hf_config_writes_the_release_back():
     ModelConfig.preset("tiny").replace(mlp_kind="dense", kda_gate="kimi_linear", full_attn_layers=[], backend="torch"),
 ], ids=["tiny", "small", "switches", "all-kda"])
 def test_round_trip_is_exact(cfg, tmp_path):
-    back = read_quietly(write(tmp_path, cfg.to_hf_config()))
+    back = read_quietly(write(tmp_path, to_hf_config(cfg, "k3")))
     assert back == cfg
-    assert back.to_hf_config() == cfg.to_hf_config()
+    assert to_hf_config(back, "k3") == to_hf_config(cfg, "k3")
 
 
 def test_both_name_styles():
@@ -89,7 +90,7 @@ def test_both_name_styles():
     assert read_quietly(deepseek) == ModelConfig.preset("k3")
     assert read_quietly(release(n_routed_experts=text["num_experts"])) == ModelConfig.preset("k3")  # both, agreeing
     with pytest.raises(ValueError, match=r"num_experts=896 and text_config.n_routed_experts=8 disagree"):
-        ModelConfig.from_hf_config(release(n_routed_experts=8))
+        from_hf_config(release(n_routed_experts=8))
 
 
 def lac_with(**changes) -> dict:
@@ -121,14 +122,14 @@ def test_schedule_from_either_list():
 def test_schedule_errors_name_the_fields(lac, match, tmp_path):
     path = write(tmp_path, release(linear_attn_config=lac_with(**lac)))
     with pytest.raises(ValueError, match=match) as err:
-        ModelConfig.from_hf_config(path)
+        from_hf_config(path)
     assert str(path) in str(err.value)
 
 
 def test_schedule_given_twice_must_agree():
     with pytest.raises(ValueError, match=r"text_config.full_attn_layers=\[4\] and text_config.linear_attn_config."
                                          r"full_attn_layers=\[4, 8"):
-        ModelConfig.from_hf_config(release(full_attn_layers=[4]))
+        from_hf_config(release(full_attn_layers=[4]))
 
 
 @pytest.mark.parametrize("key, value", [
@@ -139,7 +140,7 @@ def test_architecture_keys_k3lab_does_not_build_are_refused(key, value, tmp_path
     assert value not in HF_CHECKED[key][0]
     path = write(tmp_path, release(**{key: value}))
     with pytest.raises(ValueError, match=rf"text_config.{key}={value!r}: k3lab builds") as err:
-        ModelConfig.from_hf_config(path)
+        from_hf_config(path)
     assert str(path) in str(err.value)
 
 
@@ -149,7 +150,7 @@ def test_unused_keys_are_listed_in_one_warning():
     cfg["vision_config"] = {"hidden_size": 1152}
     cfg["text_config"]["linear_attn_config"]["num_value_heads"] = 96
     with pytest.warns(UserWarning) as record:
-        out = ModelConfig.from_hf_config(cfg)
+        out = from_hf_config(cfg)
     assert len(record) == 1
     message = str(record[0].message)
     for key in ("transformers_version", "vision_config", "text_config.attention_dropout",
@@ -161,17 +162,17 @@ def test_unused_keys_are_listed_in_one_warning():
 def test_other_architectures_are_refused(tmp_path):
     llama = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32}
     path = write(tmp_path, llama)
-    with pytest.raises(ValueError, match=r"architectures=\['LlamaForCausalLM'\]: not a Kimi K3 config") as err:
-        ModelConfig.from_hf_config(path)
+    with pytest.raises(ValueError, match=r"architectures=\['LlamaForCausalLM'\]: not a Kimi K3 or Kimi Linear config") as err:
+        from_hf_config(path)
     assert str(path) in str(err.value)
     with pytest.raises(ValueError, match=r"text_config.model_type='deepseek_v3': not a Kimi K3"):
-        ModelConfig.from_hf_config(release(model_type="deepseek_v3"))
+        from_hf_config(release(model_type="deepseek_v3"))
     # a Kimi-Linear-style text config (no latent MoE, no AttnRes) is not K3: named missing fields
     with pytest.raises(ValueError, match=r"missing field\(s\) \['text_config.routed_expert_hidden_size', "
                                          r"'text_config.attn_res_block_size'\]"):
-        ModelConfig.from_hf_config(release(routed_expert_hidden_size=None, attn_res_block_size=None))
+        from_hf_config(release(routed_expert_hidden_size=None, attn_res_block_size=None))
     with pytest.raises(ValueError, match=r"hidden_act='silu': allowed values are"):
-        ModelConfig.from_hf_config(release(hidden_act="silu"))
+        from_hf_config(release(hidden_act="silu"))
 
 
 def test_quantization_config_checked():
@@ -197,25 +198,25 @@ def test_quantization_config_checked():
         node[keys[-1]] = value
         cfg["quantization_config"] = qc
         with pytest.raises(ValueError, match=match):
-            ModelConfig.from_hf_config(cfg, source="ckpt/config.json")
+            from_hf_config(cfg, source="ckpt/config.json")
 
 
 def test_missing_file_bad_json_and_missing_field(tmp_path):
     with pytest.raises(ValueError, match=r"nope.json: no such config file"):
-        ModelConfig.from_hf_config(tmp_path / "nope.json")
+        from_hf_config(tmp_path / "nope.json")
     (tmp_path / "broken.json").write_text("{\"text_config\": ")
     with pytest.raises(ValueError, match=r"broken.json: not valid JSON"):
-        ModelConfig.from_hf_config(tmp_path / "broken.json")
+        from_hf_config(tmp_path / "broken.json")
     with pytest.raises(ValueError, match=r"config.json: missing field\(s\) \['text_config.hidden_size'\]"):
-        ModelConfig.from_hf_config(write(tmp_path, release(hidden_size=None)))
+        from_hf_config(write(tmp_path, release(hidden_size=None)))
     with pytest.raises(ValueError, match=r"pad_token_id=0 and text_config.pad_token_id=163839 disagree"):
-        ModelConfig.from_hf_config(dict(release(), pad_token_id=0))
+        from_hf_config(dict(release(), pad_token_id=0))
     with pytest.raises(ValueError, match=r"config.json: num_experts_per_tok=897: top-k must be <= n_routed_experts"):
-        ModelConfig.from_hf_config(write(tmp_path, release(num_experts_per_token=897)))
+        from_hf_config(write(tmp_path, release(num_experts_per_token=897)))
 
 
 def test_overrides_and_experiment_switches():
-    cfg = ModelConfig.from_hf_config(release(), backend="torch", balancer="loss_free")
+    cfg = from_hf_config(release(), backend="torch", balancer="loss_free")
     assert (cfg.backend, cfg.balancer) == ("torch", "loss_free")
     with pytest.raises(ValueError, match=r"text_config.k3lab=\{'depth': 3\}"):
-        ModelConfig.from_hf_config(release(k3lab={"depth": 3}))
+        from_hf_config(release(k3lab={"depth": 3}))

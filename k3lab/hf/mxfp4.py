@@ -18,7 +18,7 @@ rounds ``W / 2^(s−127)`` to the nearest E2M1 value, clamped to ±6. Both direc
 check for the tests. Dequantized values are exact in bf16 (a 2-bit mantissa times a power of two).
 
 ``compressed_tensors`` (which imports transformers: seconds) and torch are imported inside the functions
-that need them, so ``import k3lab.config`` (which uses :func:`check_quantization_config`, plain dict
+that need them, so ``import k3lab.hf.config`` (which uses :func:`check_quantization_config`, plain dict
 checking) stays light.
 """
 from __future__ import annotations

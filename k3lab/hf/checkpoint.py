@@ -1,8 +1,20 @@
-"""The released K3's Hugging Face checkpoint layout: read any slice of it, and write ours the same way.
+"""Hugging Face checkpoints of both families: read any slice of one, and write ours the same way.
+
+Two layouts (docs/hf_checkpoint.md), chosen by the family of ``config.json`` (:func:`k3lab.hf.config.hf_family`)
+when reading and by the model's config (:func:`k3lab.hf.config.config_family`) when writing:
+
+* **K3** (the release), described below;
+* **Kimi Linear** (what transformers' ``KimiLinearForCausalLM.save_pretrained`` writes): k3lab's state-dict
+  names with no prefix, routed experts per expert as in K3, ``self_attn.A_log`` stored ``[1, 1, H, 1]``, and
+  the dense first layer's MLP stored as ``mlp.*`` or ``block_sparse_moe.*`` (transformers writes the second,
+  k3lab's writer too). Written with transformers' ``config.json`` (``model_type`` "kimi_linear"), so that
+  ``AutoModelForCausalLM.from_pretrained`` loads it with no missing or unexpected key.
+
+The K3 release's layout:
 
 A checkpoint directory (docs/hf_checkpoint.md)::
 
-    config.json                        ModelConfig.to_hf_config() (+ quantization_config when weights are MXFP4)
+    config.json                        k3lab.hf.config.to_hf_config(cfg) (+ quantization_config when weights are MXFP4)
     model.safetensors.index.json       {"metadata": {"total_size": bytes}, "weight_map": {tensor name: shard file}}
     model-00001-of-0000N.safetensors   the shards (a lone model.safetensors without an index is read too)
 
@@ -44,8 +56,9 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 from tqdm import tqdm
 
-from k3lab import mxfp4
 from k3lab.config import ModelConfig
+from k3lab.hf import mxfp4
+from k3lab.hf.config import FAMILIES, config_family, from_hf_config, hf_family, load_json, to_hf_config
 from k3lab.model import K3ForCausalLM
 from k3lab.moe.latent import LatentMoE
 from k3lab.moe.router import make_balancer
@@ -62,6 +75,25 @@ FP32_SUFFIXES = ("_conv1d.weight", "self_attn.dt_bias", "self_attn.A_log", "self
 EXPERT_PARAM = re.compile(r"^(?P<base>.*\.experts)\.(?P<w>w[123])$")  # k3lab's stacked expert weights
 HEAD_PREFIXES = ("lm_head.", "model.norm.", "model.output_attn_res_", "mtp.")  # what head=True loads
 EMBED_PREFIX = "model.embed_tokens."
+DENSE_MLP = re.compile(r"^(?P<layer>model\.layers\.\d+)\.mlp\.(?P<rest>.*)$")  # k3lab's dense MLP (first layers)
+KIMI_LINEAR_DENSE = "block_sparse_moe"  # where transformers' save_pretrained puts the dense MLP (its reverse rename)
+
+
+def stored_name(name: str, family: str, prefix: str = "") -> str:
+    """The stored name of k3lab parameter ``name`` (not a stacked expert weight) in ``family``'s layout."""
+    m = DENSE_MLP.match(name)
+    if family == "kimi_linear" and m is not None:
+        return f"{prefix}{m['layer']}.{KIMI_LINEAR_DENSE}.{m['rest']}"
+    return prefix + name
+
+
+def stored_names(name: str, family: str, prefix: str = "") -> list[str]:
+    """Every stored name the reader accepts for ``name``: Kimi Linear's dense MLP under ``mlp.`` or
+    ``block_sparse_moe.``; one name otherwise."""
+    names = [stored_name(name, family, prefix)]
+    if names[0] != prefix + name:
+        names.append(prefix + name)
+    return names
 
 
 def _bar(iterable=None, **kwargs):
@@ -103,7 +135,7 @@ def _expert_unit(hf_base: str, weight: Tensor, dtype: torch.dtype, quantize: boo
 
 
 def _plan(model: K3ForCausalLM, dtype: torch.dtype | None, quantize: bool, a_log_padded_to: int | None,
-          prefix: str, layers: set[int] | None = None) -> list[_Unit]:
+          prefix: str, layers: set[int] | None = None, family: str = "k3") -> list[_Unit]:
     """The units to write, in state-dict order (``layers``: only those decoder layers, for inspection)."""
     cfg = model.config
     units = []
@@ -127,19 +159,42 @@ def _plan(model: K3ForCausalLM, dtype: torch.dtype | None, quantize: bool, a_log
                 return [out]
             units.append(_Unit([prefix + name], [(a_log_padded_to,)], [want], padded))
             continue
-        units.append(_Unit([prefix + name], [tuple(value.shape)], [want],
+        if name.endswith("self_attn.A_log") and family == "kimi_linear":  # transformers' [1, 1, H, 1]
+            shape = (1, 1, value.numel(), 1)
+            units.append(_Unit([prefix + name], [shape], [want],
+                               lambda v=value, d=want, s=shape: [v.to(d).reshape(s).contiguous().clone()]))
+            continue
+        units.append(_Unit([stored_name(name, family, prefix)], [tuple(value.shape)], [want],
                            lambda v=value, d=want: [v.to(d).contiguous().clone()]))
     return units
 
 
 def tensor_specs(model: K3ForCausalLM, *, dtype: torch.dtype | None = torch.bfloat16, mxfp4_experts: bool = False,
-                 a_log_padded_to: int | None = None, prefix: str = PREFIX,
-                 layers=None) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+                 a_log_padded_to: int | None = None, prefix: str | None = None, layers=None,
+                 family: str | None = None) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """``{stored name: (shape, dtype)}`` that :func:`save_hf_checkpoint` would write for ``model`` (which may be
     on the meta device: nothing is computed), restricted to decoder ``layers`` when given."""
+    family, prefix = _layout(model.config, family, prefix, mxfp4_experts, a_log_padded_to)
     keep = None if layers is None else set(_parse_layers(layers, model.config.num_hidden_layers))
-    return {name: (shape, dt) for unit in _plan(model, dtype, mxfp4_experts, a_log_padded_to, prefix, keep)
+    return {name: (shape, dt) for unit in _plan(model, dtype, mxfp4_experts, a_log_padded_to, prefix, keep, family)
             for name, shape, dt in zip(unit.names, unit.shapes, unit.dtypes)}
+
+
+def _layout(cfg: ModelConfig, family: str | None, prefix: str | None, mxfp4_experts: bool,
+            a_log_padded_to: int | None) -> tuple[str, str]:
+    """(family, prefix) of a checkpoint to write: the config's family unless given; K3's ``language_model.``
+    prefix, none for Kimi Linear (transformers reads no other)."""
+    family = config_family(cfg) if family is None else family
+    if family not in FAMILIES:
+        raise ValueError(f"family={family!r}: allowed values are {FAMILIES}")
+    if family == "kimi_linear":
+        for flag, value in (("mxfp4_experts", mxfp4_experts), ("a_log_padded_to", a_log_padded_to),
+                            ("prefix", prefix or None)):
+            if value:
+                raise ValueError(f"{flag}={value!r}: the Kimi Linear layout (transformers' KimiLinearForCausalLM) "
+                                 "has no such option; it is K3's release layout (family='k3')")
+        return family, ""
+    return family, PREFIX if prefix is None else prefix
 
 
 def _bf16_ignore(prefix: str) -> list[str]:
@@ -151,9 +206,14 @@ def _bf16_ignore(prefix: str) -> list[str]:
 @torch.no_grad()
 def save_hf_checkpoint(model: K3ForCausalLM, out_dir: str | os.PathLike, *, dtype: torch.dtype | None = torch.bfloat16,
                        mxfp4_experts: bool = False, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
-                       a_log_padded_to: int | None = None, prefix: str = PREFIX, progress: bool = True) -> Path:
-    """Write ``model`` in the release's layout into ``out_dir`` (new or empty; written to a temporary folder
+                       a_log_padded_to: int | None = None, prefix: str | None = None, progress: bool = True,
+                       family: str | None = None) -> Path:
+    """Write ``model`` in its family's layout into ``out_dir`` (new or empty; written to a temporary folder
     beside it and renamed into place). Returns ``out_dir``.
+
+    family: "k3" (the release's layout, ``language_model.`` prefix) or "kimi_linear" (transformers'; needs a
+    Kimi-Linear-shaped config, :func:`k3lab.hf.config.kimi_linear_mismatches`); None = the config's own
+    (:func:`k3lab.hf.config.config_family`).
 
     dtype: the stored dtype of everything but :data:`FP32_SUFFIXES` (float32); None keeps each tensor's own.
     mxfp4_experts: routed experts as MXFP4 (compressed-tensors, group 32; needs the expert widths to be
@@ -167,6 +227,10 @@ def save_hf_checkpoint(model: K3ForCausalLM, out_dir: str | os.PathLike, *, dtyp
     if max_shard_bytes < 1:
         raise ValueError(f"max_shard_bytes={max_shard_bytes}: must be >= 1")
     cfg = model.config
+    family, prefix = _layout(cfg, family, prefix, mxfp4_experts, a_log_padded_to)
+    hf = to_hf_config(cfg, family)  # raises for a config the family cannot describe, before anything is written
+    if family == "kimi_linear" and dtype is not None:
+        hf = dict(sorted(dict(hf, dtype=str(dtype).removeprefix("torch.")).items()))
     has_experts = any(EXPERT_PARAM.match(n) for n in model.state_dict())
     if mxfp4_experts:
         if not has_experts:
@@ -177,7 +241,7 @@ def save_hf_checkpoint(model: K3ForCausalLM, out_dir: str | os.PathLike, *, dtyp
             if v % mxfp4.GROUP_SIZE:
                 raise ValueError(f"mxfp4_experts=True: {fname}={v} must be a multiple of {mxfp4.GROUP_SIZE} "
                                  "(MXFP4 groups run along each expert matrix's input dimension)")
-    units = _plan(model, dtype, mxfp4_experts, a_log_padded_to, prefix)
+    units = _plan(model, dtype, mxfp4_experts, a_log_padded_to, prefix, None, family)
     shards: list[list[_Unit]] = [[]]
     size = 0
     for unit in units:
@@ -205,7 +269,6 @@ def save_hf_checkpoint(model: K3ForCausalLM, out_dir: str | os.PathLike, *, dtyp
         bar.close()
         index = {"metadata": {"total_size": sum(u.nbytes for u in units)}, "weight_map": dict(sorted(weight_map.items()))}
         (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-        hf = cfg.to_hf_config()
         if mxfp4_experts:
             hf["quantization_config"] = mxfp4.quantization_config(_bf16_ignore(prefix))
         (tmp / CONFIG_FILE).write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
@@ -238,7 +301,7 @@ class LoadedCheckpoint:
 def read_hf_config(path: str | os.PathLike, **overrides) -> tuple[ModelConfig, dict | None]:
     """``(ModelConfig, quantization_config or None)`` from a checkpoint folder's config.json (errors name the file)."""
     file = Path(path) / CONFIG_FILE
-    cfg = ModelConfig.from_hf_config(file, **overrides)
+    cfg = from_hf_config(file, **overrides)
     raw = json.loads(file.read_text())
     quant = raw.get("quantization_config", (raw.get("text_config") or {}).get("quantization_config"))
     return cfg, quant
@@ -336,6 +399,7 @@ def load_hf_checkpoint(path: str | os.PathLike, *, layers=None, embeddings: bool
     path = Path(path)
     cfg, quant = read_hf_config(path, **overrides)
     config_file = path / CONFIG_FILE
+    family = hf_family(load_json(config_file)[0], str(config_file))
     weight_map, map_file = read_weight_map(path)
     prefix = PREFIX if any(k.startswith(PREFIX) for k in weight_map) else ""
     layer_list = _parse_layers(layers, cfg.num_hidden_layers)
@@ -355,7 +419,10 @@ def load_hf_checkpoint(path: str | os.PathLike, *, layers=None, embeddings: bool
     for name, p in selected.items():
         m = EXPERT_PARAM.match(name)
         if m is None:
-            jobs.append((name, None, prefix + name))
+            candidates = [n for n in stored_names(name, family, prefix) if n in weight_map]
+            if len(candidates) > 1:
+                raise ValueError(f"{map_file}: {name} is stored twice, as {candidates}")
+            jobs.append((name, None, candidates[0] if candidates else stored_name(name, family, prefix)))
         else:
             jobs += [(name, e, f"{prefix}{m['base']}.{e}.{m['w']}") for e in range(p.shape[0])]
     consumed = set()
@@ -418,6 +485,11 @@ def load_hf_checkpoint(path: str | os.PathLike, *, layers=None, embeddings: bool
                 out.dequantized += 1
                 continue
             t = tensor(stored)
+            if name.endswith("self_attn.A_log") and family == "kimi_linear":
+                if tuple(t.shape) != (1, 1, dest.shape[0], 1):
+                    raise ValueError(f"{path / weight_map[stored]}: {stored} has shape {list(t.shape)}, expected "
+                                     f"{[1, 1, dest.shape[0], 1]} (transformers' Kimi Linear layout, from {config_file.name})")
+                t = t.view(dest.shape)
             if name.endswith("self_attn.A_log") and t.dim() == 1 and t.shape[0] > dest.shape[0]:
                 H = dest.shape[0]
                 if torch.count_nonzero(t[H:]):
