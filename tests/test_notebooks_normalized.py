@@ -1,0 +1,44 @@
+"""Every committed notebook is byte-identical to what JupyterLab would save for it (tools/normalize_notebooks.py), so
+opening one in Lab does not mark it modified. Fix a failure with ``python tools/normalize_notebooks.py <notebook>``."""
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+import normalize_notebooks  # noqa: E402
+
+# Notebooks other sessions are still editing: reported (xfail) until the lead runs
+# `python tools/normalize_notebooks.py` over all of them; then empty this set.
+PENDING = {"01_linear_attention_lineage", "05_nope_vs_rope", "06_attention_residuals", "07_latent_moe_and_situ",
+           "12_scaling_up", "13_inference", "14_real_k3_weights"}
+
+
+def _params():
+    for path in normalize_notebooks.default_notebooks():
+        marks = [pytest.mark.xfail(reason="not normalised yet (issue 29 item 6): run tools/normalize_notebooks.py",
+                                   strict=False)] if path.stem in PENDING else []
+        yield pytest.param(path, id=str(path.relative_to(ROOT)), marks=marks)
+
+
+@pytest.mark.parametrize("path", list(_params()))
+def test_notebook_is_normalized(path):
+    raw = path.read_bytes().decode("utf-8")
+    assert normalize_notebooks.normalized(raw) == raw, (
+        f"{path.name} is not what JupyterLab saves: run `python tools/normalize_notebooks.py {path.relative_to(ROOT)}`")
+
+
+def test_normalizer_is_idempotent_and_merges_streams():
+    import json
+
+    nb = {"cells": [{"cell_type": "code", "execution_count": 1, "metadata": {}, "source": "print(1)",
+                     "outputs": [{"output_type": "stream", "name": "stderr", "text": "bar:   0%|  | 0/2\r"},
+                                 {"output_type": "stream", "name": "stderr", "text": "bar: 100%|##| 2/2\n"},
+                                 {"output_type": "stream", "name": "stdout", "text": ["a\n", "b\n"]}]}],
+          "metadata": {}, "nbformat": 4, "nbformat_minor": 4}
+    once = normalize_notebooks.normalized(json.dumps(nb, indent=2))
+    assert normalize_notebooks.normalized(once) == once and once.endswith("}\n")
+    saved = json.loads(once)
+    assert saved["nbformat_minor"] == 5 and "id" in saved["cells"][0]
+    assert [o["text"] for o in saved["cells"][0]["outputs"]] == [["bar: 100%|##| 2/2\n"], ["a\n", "b\n"]]
