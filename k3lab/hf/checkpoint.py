@@ -21,7 +21,7 @@ A checkpoint directory (docs/hf_checkpoint.md)::
 Tensor names are ``language_model.`` + k3lab's state-dict name (the prefix is optional when reading), except:
 
 * routed experts, stacked in k3lab as ``experts.w1 / w3 [E, I, L]`` and ``experts.w2 [E, L, I]``, are stored per
-  expert: ``experts.{e}.w1.weight [I, L]`` — or, MXFP4 (:mod:`k3lab.mxfp4`), ``experts.{e}.w1.weight_packed
+  expert: ``experts.{e}.w1.weight [I, L]`` — or, MXFP4 (:mod:`k3lab.hf.mxfp4`), ``experts.{e}.w1.weight_packed
   [I, L/2]`` + ``weight_scale [I, L/32]`` (uint8), dequantized on load with compressed-tensors;
 * ``self_attn.A_log`` of H heads is stored ``[H]`` or padded ``[P > H]`` (the release: [128] for 96 heads);
   the first H entries are the heads';
