@@ -1,11 +1,11 @@
 """Hugging Face ``config.json`` <-> :class:`~k3lab.config.ModelConfig`, for the two families k3lab reads and writes.
 
-**K3** (the release, docs/hf_checkpoint.md §1): the multimodal wrapper ``KimiK3ForConditionalGeneration``
+**K3** (the release, docs/hf_checkpoint.md, "`config.json`"): the multimodal wrapper ``KimiK3ForConditionalGeneration``
 (``model_type`` "kimi_k3") with the text fields under ``text_config``, or that text config alone. It carries
 K3's own fields (``routed_expert_hidden_size``, ``attn_res_block_size``, ``activation_situ_beta``, ...).
 
 **Kimi Linear** (``model_type`` "kimi_linear", ``KimiLinearForCausalLM``, K3's ancestor), in either dialect
-transformers reads (docs/hf_checkpoint.md §5):
+transformers reads (docs/hf_checkpoint.md, "Kimi Linear"):
 
 * the hub's (Moonshot's own config.json): ``linear_attn_config`` {``num_heads``, ``head_dim``,
   ``short_conv_kernel_size``, ``full_attn_layers``, ``kda_layers`` (1-based)}, ``first_k_dense_replace``,
@@ -46,7 +46,7 @@ FAMILIES = ("k3", "kimi_linear")
 # what it computes (a changed kda_gate, say, would load the weights into a different model without an error)
 OVERRIDABLE = ("backend", "balancer", "qb_num_bins", "aux_loss_coef", "mtp_loss_weight", "qk_clip_tau")
 
-# --- K3: the released config.json (docs/hf_checkpoint.md §1) ------------------------------------
+# --- K3: the released config.json (docs/hf_checkpoint.md, "`config.json`") -----------------------------------
 HF_ARCHITECTURE = "KimiK3ForConditionalGeneration"  # the wrapper's architectures[0]
 HF_MODEL_TYPE = "kimi_k3"
 HF_TEXT_ARCHITECTURE = "KimiLinearForCausalLM"  # text_config.architectures[0]; Kimi Linear's architecture too

@@ -369,7 +369,8 @@ def qk_clip_(mla: nn.Module, tau: float = 100.0) -> Tensor:
     sq = gamma.sqrt()[:, None]                                                  # [H, 1]
     q_rows = torch.cat([sq.expand(H, dn), gamma[:, None].expand(H, dr)], 1)     # [H, dn+dr] per q_b_proj row
     kv_rows = torch.cat([sq.expand(H, dn), torch.ones(H, dv, device=gamma.device)], 1)  # [H, dn+dv]
-    scale_rows_((mla.q_proj if mla.q_lora_rank is None else mla.q_b_proj).weight, q_rows.reshape(-1))
+    q_weight = mla.q_b_proj.weight if hasattr(mla, "q_b_proj") else mla.q_proj.weight  # q_lora_rank None: q_proj
+    scale_rows_(q_weight, q_rows.reshape(-1))
     scale_rows_(mla.kv_b_proj.weight, kv_rows.reshape(-1))
     mla.max_logit.copy_(torch.minimum(s_max, torch.full_like(s_max, tau)).to(mla.max_logit.dtype))
     return gamma
