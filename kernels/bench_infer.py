@@ -28,6 +28,19 @@ Sections (``--sections``, default all):
   at 1×, 4×, 16×, … ``--passkey-max-multiple``× that length through ``k3lab.infer.generate`` (chunked
   prefill, one greedy token): accuracy per length, for the 3:1 hybrid and all-MLA.
 
+* ``decode``  — decoding speed, the three implementations side by side: k3lab's eager decoder (functional
+  caches), k3lab's graphed decoder (``decoder="graph"``: preallocated caches, one CUDA graph replay a
+  step; ``static`` off CUDA) and, for the pure-KDA shape of fla's anchor (``kda-anchor``: 24 layers ×
+  1024, 8 heads × 128, dense MLP, vocab 32,000), fla's ``KDAForCausalLM`` decoded by transformers'
+  ``generate``. For each model of ``--decode-models``, batch of ``--decode-batches`` and context of
+  ``--decode-contexts``: tokens/s per row and aggregate over ``--decode-new`` greedy tokens, the first
+  call's time (warm-up + capture for the graph), peak memory, and the roofline: the bytes one step must
+  read (weights touched: every non-expert matrix, the ``lm_head``, the expected number of distinct routed
+  experts ``E·(1 − (1 − k/E)^B)`` per MoE layer; the KDA states read and written; the MLA latents read)
+  over ``--hbm-tb-s`` (H200: 4.8 TB/s). The prompt's cache is made by prefilling 256 tokens and tiling
+  the MLA latents to the context (a step's work does not depend on what the cache holds), so a 1M-token
+  context costs no 1M-token prefill here; fla's rows prefill their prompt for real.
+
 The table at the end is the summary; ``--json`` (default ``runs/bench_infer.json``) gets every number.
 """
 
@@ -48,11 +61,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from k3lab.backend import resolve_backend, resolve_device  # noqa: E402
 from k3lab.config import DEVICES, RUNNABLE_PRESETS, ModelConfig  # noqa: E402
 from k3lab.costs import InferenceCosts  # noqa: E402
-from k3lab.infer import GenerationStats, decode, generate, prefill, prefill_rows  # noqa: E402
+from k3lab.infer import GenerationStats, StaticDecoder, decode, generate, prefill, prefill_rows  # noqa: E402
+from k3lab.infer.step import Prefilled  # noqa: E402
+from k3lab.mixers.mla import MLACache  # noqa: E402
+from k3lab.model import K3Cache  # noqa: E402
 from k3lab.model import K3ForCausalLM  # noqa: E402
 from k3lab.testing import rel_err  # noqa: E402
 
-SECTIONS = ("check", "prefill", "spec", "passkey")
+SECTIONS = ("check", "prefill", "spec", "passkey", "decode")
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
@@ -279,6 +295,183 @@ def section_passkey(args, device) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------
+# decode: eager vs graphed vs fla + transformers
+# ----------------------------------------------------------------------------------------------
+ANCHOR_KDA = dict(vocab_size=32000, num_hidden_layers=24, hidden_size=1024, num_heads=8, head_dim=128,
+                  intermediate_size=2816)  # fla's KDAForCausalLM anchor shape (as kernels/bench_train.py)
+
+
+def decode_config(name: str, smoke: bool) -> ModelConfig:
+    """``small`` / ``tiny`` presets, or ``kda-anchor``: the pure-KDA shape of fla's anchor (dense, PreNorm)."""
+    if name in RUNNABLE_PRESETS:
+        return ModelConfig.preset(name)
+    a = ANCHOR_KDA if not smoke else dict(ANCHOR_KDA, num_hidden_layers=2, hidden_size=64, num_heads=2, head_dim=32,
+                                          intermediate_size=128, vocab_size=256)
+    L = a["num_hidden_layers"]
+    return ModelConfig.preset("small").replace(
+        vocab_size=a["vocab_size"], num_hidden_layers=L, full_attn_layers=[], hidden_size=a["hidden_size"],
+        intermediate_size=a["intermediate_size"], linear_attn_config=dict(num_heads=a["num_heads"], head_dim=a["head_dim"]),
+        mlp_kind="dense", first_k_dense_replace=L, residual="prenorm", qk_clip_tau=None)
+
+
+def model_device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+def tiled_prefill(model, B: int, context: int, seed: int = 0) -> Prefilled:
+    """A prefilled batch at ``context`` tokens: 256 real prompt tokens per row, the MLA latents tiled to
+    ``context`` (decode work depends on the cache's size, not its values)."""
+    cfg = model.config
+    g = torch.Generator().manual_seed(seed)
+    n = min(256, context)
+    ids = torch.randint(3, cfg.vocab_size, (B, n), generator=g).to(model_device(model))
+    pre = prefill_rows(model, ids)
+    if context == n:
+        return pre
+    reps = -(-context // n)
+    layers = [e if not isinstance(e, MLACache) else
+              MLACache(e.c_kv.repeat(1, reps, 1)[:, :context].contiguous(),
+                       e.k_rope.repeat(1, reps, 1)[:, :context].contiguous())
+              for e in pre.cache.layers]
+    return Prefilled(K3Cache(layers, context), pre.logits, pre.residual, [context] * B)
+
+
+def step_bytes(model, B: int, context: int) -> int:
+    """Bytes one decode step must move (the roofline's numerator; the module docstring says what counts)."""
+    from k3lab.mixers.kda import KDA
+    from k3lab.mixers.mla import GatedMLA
+    from k3lab.moe.latent import RoutedExperts
+
+    experts = {id(p) for m in model.modules() if isinstance(m, RoutedExperts) for p in m.parameters(recurse=False)}
+    embed = model.model.embed_tokens.weight
+    total = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in experts and p is not embed)
+    total += B * embed.shape[1] * embed.element_size()  # the B embedding rows read
+    for m in model.modules():
+        if isinstance(m, RoutedExperts):
+            E, k = m.num_experts, model.config.num_experts_per_tok
+            per_expert = sum(p.numel() * p.element_size() for p in (m.w1, m.w3, m.w2)) / E
+            total += int(E * (1 - (1 - k / E) ** B) * per_expert)  # expected distinct experts, uniform routing
+        elif isinstance(m, KDA):
+            total += 2 * B * m.num_heads * m.head_k_dim * m.head_v_dim * 4  # fp32 state read + written
+        elif isinstance(m, GatedMLA):
+            total += B * context * m.cache_numbers_per_token() * embed.element_size()
+    return total
+
+
+def k3lab_decode_row(model, name: str, decoder: str, B: int, context: int, new: int, hbm: float) -> dict:
+    device = model_device(model)
+    reset_peak(device)
+    pre = tiled_prefill(model, B, context)
+    row = dict(impl=f"k3lab {decoder}", model=name, B=B, context=context, new=new)
+    with torch.no_grad():
+        sync(device)
+        t0 = time.perf_counter()
+        if decoder == "eager":
+            list(decode(model, pre, 3))  # first call (warm-up)
+        else:
+            dec = StaticDecoder(model, graph=decoder.startswith("graph"), compile=decoder.endswith("compiled"))
+            dec.decode(pre, new)  # first call: buffers, warm-up, capture
+        sync(device)
+        row["first_call_s"] = time.perf_counter() - t0
+        st = GenerationStats()
+        if decoder == "eager":
+            list(decode(model, pre, new, stats=st))
+        else:
+            dec.decode(pre, new, stats=st)
+    row["tokens_per_s_row"] = (new - 1) / st.decode_s  # the first token comes from the prefill's logits
+    row["tokens_per_s"] = row["tokens_per_s_row"] * B
+    row["ms_per_step"] = 1e3 * st.decode_s / (new - 1)
+    row["peak_gib"] = (peak_bytes(device) or 0) / 2**30
+    row["step_bytes"] = step_bytes(model, B, context)
+    row["floor_ms"] = 1e3 * row["step_bytes"] / (hbm * 1e12)
+    return row
+
+
+def fla_decode_row(B: int, context: int, new: int, device) -> dict:
+    """fla's KDAForCausalLM (anchor shape, safe gate, lower bound -5) decoded by transformers' generate."""
+    from fla.models import KDAConfig, KDAForCausalLM
+
+    a = ANCHOR_KDA
+    cfg = KDAConfig(hidden_size=a["hidden_size"], num_hidden_layers=a["num_hidden_layers"], num_heads=a["num_heads"],
+                    head_dim=a["head_dim"], vocab_size=a["vocab_size"], intermediate_size=a["intermediate_size"],
+                    safe_gate=True, lower_bound=-5.0, attn=None)
+    torch.manual_seed(0)
+    reset_peak(device)
+    with device:
+        model = KDAForCausalLM(cfg).to(torch.bfloat16).eval()
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(3, cfg.vocab_size, (B, context), generator=g).to(device)
+    kw = dict(do_sample=False, use_cache=True, pad_token_id=0, eos_token_id=None)
+    row = dict(impl="fla + transformers generate", model="kda-anchor", B=B, context=context, new=new)
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        model.generate(x[:, :256], max_new_tokens=3, min_new_tokens=3, **kw)
+        sync(device)
+        row["first_call_s"] = time.perf_counter() - t0
+        model.generate(x, max_new_tokens=2, min_new_tokens=2, **kw)  # the full-size shapes once (autotuning)
+        t0 = time.perf_counter()
+        model.generate(x, max_new_tokens=1, min_new_tokens=1, **kw)  # the prefill alone, subtracted below
+        sync(device)
+        prefill_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        out = model.generate(x, max_new_tokens=new, min_new_tokens=new, **kw)
+        sync(device)
+        wall = time.perf_counter() - t0
+    n = out.shape[1] - context
+    row["tokens_per_s_row"] = (n - 1) / (wall - prefill_s)
+    row["tokens_per_s"] = row["tokens_per_s_row"] * B
+    row["ms_per_step"] = 1e3 * (wall - prefill_s) / (n - 1)
+    row["peak_gib"] = (peak_bytes(device) or 0) / 2**30
+    return row
+
+
+def section_decode(args, device, dtype) -> dict:
+    rows = []
+    for name in args.decode_models:
+        model = build(decode_config(name, args.cpu_smoke), device, dtype)
+        contexts = args.decode_contexts if name != "kda-anchor" else args.decode_contexts[:1]  # no MLA: context-free
+        for context in contexts:
+            for B in args.decode_batches:
+                if B * context > args.decode_max_row_tokens:
+                    continue
+                for decoder in args.decoders:
+                    new = args.decode_new if decoder != "eager" else min(args.decode_new, args.decode_eager_new)
+                    try:
+                        row = k3lab_decode_row(model, name, decoder, B, context, new, args.hbm_tb_s)
+                    except Exception as err:  # keep the run going; the row says what failed
+                        row = dict(impl=f"k3lab {decoder}", model=name, B=B, context=context, error=repr(err)[:300])
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+        del model
+        reset_peak(device)
+    if args.decode_peer and device.type == "cuda":
+        for B in args.decode_batches:
+            try:
+                row = fla_decode_row(B, args.decode_contexts[0], min(args.decode_new, args.decode_eager_new), device)
+            except Exception as err:
+                row = dict(impl="fla + transformers generate", model="kda-anchor", B=B, error=repr(err)[:300])
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return dict(rows=rows, hbm_tb_s=args.hbm_tb_s)
+
+
+def decode_table(d: dict) -> str:
+    lines = ["| implementation | model | batch | context | tokens/s per row | aggregate tokens/s | ms/step | "
+             f"floor ms ({d['hbm_tb_s']} TB/s) | floor / step | first call s | peak GiB |", "|---" * 11 + "|"]
+    for r in d["rows"]:
+        if "error" in r:
+            lines.append(f"| {r['impl']} | {r['model']} | {r['B']} | {r.get('context', '')} | error: "
+                         f"{r['error'][:120]} |" + " |" * 6)
+            continue
+        floor = r.get("floor_ms")
+        lines.append(f"| {r['impl']} | {r['model']} | {r['B']} | {r['context']:,} | {r['tokens_per_s_row']:,.1f} | "
+                     f"{r['tokens_per_s']:,.0f} | {r['ms_per_step']:.3f} | {'–' if floor is None else f'{floor:.3f}'} | "
+                     f"{'–' if floor is None else format(floor / r['ms_per_step'], '.0%')} | {r['first_call_s']:.1f} | "
+                     f"{r['peak_gib']:.1f} |")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------
 def table(results: dict) -> str:
     lines = ["| measurement | value |", "|---|---|"]
 
@@ -318,7 +511,10 @@ def table(results: dict) -> str:
         for name, acc in p["accuracy"].items():
             row(f"passkey {name} (train {p['train_len']} tokens)",
                 ", ".join(f"{m * p['train_len']:,}: {a:.2f}" for m, a in acc.items()))
-    return "\n".join(lines)
+    out = "\n".join(lines)
+    if "decode" in results:
+        out += "\n\n" + decode_table(results["decode"])
+    return out
 
 
 def main(argv=None) -> int:
@@ -346,12 +542,25 @@ def main(argv=None) -> int:
     ap.add_argument("--passkey-max-multiple", type=int, default=4096)
     ap.add_argument("--passkey-rows", type=int, default=64)
     ap.add_argument("--chunk-passkey", type=int, default=256)
+    ap.add_argument("--decode-models", nargs="+", default=["small", "kda-anchor"],
+                    choices=RUNNABLE_PRESETS + ("kda-anchor",))
+    ap.add_argument("--decode-batches", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--decode-contexts", type=int, nargs="+", default=[4096, 65536, 1 << 20])
+    ap.add_argument("--decode-max-row-tokens", type=int, default=1 << 22,
+                    help="skip batch x context above this (default %(default)s: 64 rows at 64K, one at 1M)")
+    ap.add_argument("--decoders", nargs="+", default=["eager", "graph"], choices=("eager", "static", "graph", "graph-compiled"))
+    ap.add_argument("--decode-new", type=int, default=128, help="greedy tokens a row (static/graph)")
+    ap.add_argument("--decode-eager-new", type=int, default=16, help="greedy tokens a row (eager, fla: slower)")
+    ap.add_argument("--decode-peer", action=argparse.BooleanOptionalAction, default=True,
+                    help="fla KDAForCausalLM + transformers generate rows (CUDA only)")
+    ap.add_argument("--hbm-tb-s", type=float, default=4.8, help="HBM bandwidth for the roofline (H200: 4.8 TB/s)")
     ap.add_argument("--json", default="runs/bench_infer.json")
     if "--cpu-smoke" in (sys.argv[1:] if argv is None else argv):  # smoke defaults; explicit flags still win
         ap.set_defaults(device="cpu", preset="tiny", dtype="float32", context=2048, chunk=512, decode_tokens=5,
                         short_context=256, check_tokens=64, spec_steps=3, spec_batch=2, spec_seq=32, spec_k=[1, 2],
                         spec_prompts=2, spec_prompt_len=16, spec_new=10, passkey_steps=3, passkey_max_multiple=16,
-                        passkey_rows=8, chunk_passkey=64)
+                        passkey_rows=8, chunk_passkey=64, decode_models=["tiny", "kda-anchor"], decode_batches=[1, 3],
+                        decode_contexts=[300, 600], decoders=["eager", "static"], decode_new=6, decode_eager_new=4)
     args = ap.parse_args(argv)
     device = resolve_device(args.device)
     dtype = DTYPES[args.dtype]
@@ -373,6 +582,8 @@ def main(argv=None) -> int:
             results["prefill"] = section_prefill(args, cfg, device, dtype)
         elif name == "spec":
             results["spec"] = section_spec(args, cfg, device, dtype)
+        elif name == "decode":
+            results["decode"] = section_decode(args, device, dtype)
         else:
             results["passkey"] = section_passkey(args, device)
         print(f"[{name}: {time.perf_counter() - t0:.0f} s]", flush=True)

@@ -145,3 +145,22 @@ def test_graph_equals_static_and_eager_gpu(dtype):
     again = dec.decode(pre, 40, temperature=1.0, top_p=0.9, seeds=torch.tensor([1, 2, 3]))
     assert dec.captures == 1 and first == again  # the second call replays the kept graph
     assert StaticDecoder(model).decode(pre, 40, temperature=1.0, top_p=0.9, seeds=torch.tensor([1, 2, 3])) == first
+
+
+@pytest.mark.gpu
+def test_latent_attention_lowp_matches_fp32_gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from k3lab.mixers.mla import attention_math, latent_attention_lowp
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    B, T, H, R, rho, S = 3, 1, 4, 64, 16, 777
+    q_lat = torch.randn(B, T, H, R, device="cuda", generator=g)
+    q_rope = torch.randn(B, T, H, rho, device="cuda", generator=g)
+    c_kv = torch.randn(B, S, R, device="cuda", generator=g).bfloat16()
+    k_rope = torch.randn(B, S, rho, device="cuda", generator=g).bfloat16()
+    mask = torch.rand(B, S, device="cuda", generator=g) > 0.3
+    got = latent_attention_lowp(q_lat, q_rope, c_kv, k_rope, 0.1, S - 1, mask)
+    q = torch.cat([q_lat, q_rope], -1).transpose(1, 2)
+    want, _ = attention_math(q, torch.cat([c_kv, k_rope], -1)[:, None].float(), c_kv[:, None].float(), 0.1, S - 1, mask)
+    assert rel_err(got, want) < 1e-2  # bf16 q and p: bf16 tolerance

@@ -58,6 +58,7 @@ DECODERS = ("eager", "static", "graph")  # generate(decoder=...): functional cac
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # a graph is captured per bucket; larger batches: their own size
 LENGTH_BUCKET = 256  # cache slots are allocated in multiples of this
 CHECK_EVERY = 16  # decode steps between the host's reads of the done flags
+COMPILE_GRAPHED = False  # generate(decoder="graph") compiles the step first (torch.compile; measured in bench_infer)
 WARMUP_STEPS = 1  # eager steps before the capture (Triton compiles, libraries initialise there)
 
 
@@ -148,7 +149,7 @@ def decoder_for(model, graph: bool) -> "StaticDecoder":
     """The model's :class:`StaticDecoder` (one per model and mode, so later calls reuse its graphs)."""
     per_model = _DECODERS.setdefault(model, {})
     if graph not in per_model:
-        per_model[graph] = StaticDecoder(model, graph)
+        per_model[graph] = StaticDecoder(model, graph, compile=graph and COMPILE_GRAPHED)
     return per_model[graph]
 
 
@@ -159,9 +160,10 @@ class StaticDecoder:
     Graphs and buffers are kept per (batch bucket, slots, new-token width, sampling, stop set) and reused.
     """
 
-    def __init__(self, model, graph: bool = False):
+    def __init__(self, model, graph: bool = False, compile: bool = False):
         hcache.check_model(model)
         self.model, self.graph = model, graph
+        self.logits = self.step_logits if not compile else torch.compile(self.step_logits, dynamic=False)
         self.kept: dict[tuple, tuple[Buffers, torch.cuda.CUDAGraph | None]] = {}
         self.captures = 0  # graphs captured so far
         self.capture_s = 0.0  # seconds spent in warmup + capture
@@ -169,9 +171,12 @@ class StaticDecoder:
     def step(self, buf: Buffers, temperature: float, top_k: int | None, top_p: float | None, pad: int) -> None:
         """One decode step on ``buf`` (what the graph holds): feed ``tokens``, choose the next on the device."""
         buf.step.add_(1)
-        logits = hcache.forward(self.model, buf.tokens[:, None], buf.cache, last=1).logits[:, -1]  # [B, V] fp32
-        self.record(buf, logits, temperature, top_k, top_p, pad)
+        self.record(buf, self.logits(buf.tokens, buf.cache), temperature, top_k, top_p, pad)
         buf.length.add_(1)
+
+    def step_logits(self, tokens: Tensor, cache: K3Cache) -> Tensor:
+        """tokens [B] through the model on the static cache (written in place) -> logits [B, V] float32."""
+        return hcache.forward(self.model, tokens[:, None], cache, last=1).logits[:, -1]
 
     @staticmethod
     def record(buf: Buffers, logits: Tensor, temperature, top_k, top_p, pad: int) -> None:

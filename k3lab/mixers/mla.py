@@ -145,6 +145,34 @@ def attention_math(q: Tensor, k: Tensor, v: Tensor, scale: float, offset: int,
         return torch.matmul(scores.softmax(dim=-1), v.to(dtype)), max_logit
 
 
+def latent_attention_lowp(q_latent: Tensor, q_rope: Tensor, c_kv: Tensor, k_rope: Tensor, scale: float, offset: int,
+                          key_mask: Tensor | None = None) -> Tensor:
+    """The absorbed form's attention reading a bf16/fp16 latent cache where it lies (CUDA decoding)::
+
+        s_hj = (q^lat_h . c_j + q^R_h . k^R_j) * scale     bf16 GEMMs, float32 accumulation and output
+        p_hj = softmax_j(s_hj)  (causal + key mask)         float32
+        o_h  = sum_j p_hj c_j                               p rounded to bf16, float32 accumulation
+
+    No concatenated or float32 copy of the cache is made (:func:`attention_math` casts ``[c ; k^R]`` to float32
+    every call: at 1M tokens that is gigabytes a layer a step). Rounding q and p to bf16 is what
+    FlashAttention-style kernels do; the result is within bf16 tolerance of the float32 math (tested).
+
+    q_latent: [B, T, H, R] float32; q_rope: [B, T, H, ρ]; c_kv: [B, S, R]; k_rope: [B, S, ρ] (one KV head);
+    key_mask: [B, S] bool or None. Returns o_latent [B, H, T, R] float32.
+    """
+    B, T, H, R = q_latent.shape
+    S, lp = c_kv.shape[1], c_kv.dtype
+    ql = q_latent.to(lp).transpose(1, 2).reshape(B, H * T, R)  # [B, H·T, R]: every head a row of one GEMM (MQA)
+    qr = q_rope.to(lp).transpose(1, 2).reshape(B, H * T, -1)  # [B, H·T, ρ]
+    scores = torch.bmm(ql, c_kv.mT, out_dtype=torch.float32) + torch.bmm(qr, k_rope.to(lp).mT, out_dtype=torch.float32)
+    scores = scores.view(B, H, T, S) * scale  # [B, H, T, S]
+    mask = causal_mask(T, S, offset, c_kv.device)  # [T, S]
+    if key_mask is not None:
+        mask = mask & key_mask[:, None, None, :]  # [B, 1, T, S]
+    p = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+    return torch.bmm(p.to(lp).view(B, H * T, S), c_kv, out_dtype=torch.float32).view(B, H, T, R)
+
+
 @torch.no_grad()
 def causal_max_logit(q: Tensor, k: Tensor, scale: float) -> Tensor:
     """max_{b, i, j<=i} q_i . k_j * scale per head [H] (QK-Clip's S_max), in query chunks.
@@ -279,13 +307,17 @@ class GatedMLA(nn.Module):
         key_mask: [B, S] bool or None (see :class:`MLACache`)."""
         W_UK, W_UV = self.kv_b_weights()  # [H, nope, R], [H, V, R]
         dtype = torch.float64 if q_nope.dtype == torch.float64 else torch.float32
+        track = self.training and self.track_max_logit
         with torch.autocast(q_nope.device.type, enabled=False):
             q_latent = torch.einsum("bthn,hnr->bthr", q_nope.to(dtype), W_UK.to(dtype))  # [B, T, H, R]
-            q = torch.cat([q_latent, q_rope.to(dtype)], dim=-1).transpose(1, 2)  # [B, H, T, R + rope]
-            k = torch.cat([c_kv, k_rope], dim=-1)[:, None]  # [B, 1, S, R + rope]
-            o_latent, max_logit = attention_math(q, k, c_kv[:, None], self.scale, offset, key_mask)  # [B, H, T, R]
+            if c_kv.is_cuda and c_kv.dtype in (torch.bfloat16, torch.float16) and not track:
+                o_latent = latent_attention_lowp(q_latent, q_rope, c_kv, k_rope, self.scale, offset, key_mask)
+            else:
+                q = torch.cat([q_latent, q_rope.to(dtype)], dim=-1).transpose(1, 2)  # [B, H, T, R + rope]
+                k = torch.cat([c_kv, k_rope], dim=-1)[:, None]  # [B, 1, S, R + rope]
+                o_latent, max_logit = attention_math(q, k, c_kv[:, None], self.scale, offset, key_mask)  # [B, H, T, R]
             o = torch.einsum("bhtr,hvr->bthv", o_latent, W_UV.to(dtype))  # [B, T, H, V]
-        if self.training and self.track_max_logit:
+        if track:
             self.max_logit = max_logit.float()
         return o
 
