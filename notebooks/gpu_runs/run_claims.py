@@ -1,0 +1,256 @@
+"""Run the claim notebooks (01, 05, 06) at the GPU scale in one device call, through papermill (issue 29).
+
+From the repository root on the GPU machine (k3lab importable, papermill and ipykernel installed):
+
+    python notebooks/gpu_runs/run_claims.py --out "$OUT"            # scale "gpu": one H200, about 6 minutes in all
+    python notebooks/gpu_runs/run_claims.py --out /tmp/claims --smoke # scale "smoke": the same pipeline on a CPU
+
+Each notebook runs as ``papermill <notebook> OUT/<notebook> -p scale gpu -p runs_file OUT/<name>.runs.jsonl
+-p budget_s B``, in its own process and kernel, several at once (``--jobs``, default 3 on a GPU: the small models
+leave the GPU idle between kernel launches, so three processes share it well). Nothing is cut mid-result:
+
+* each notebook stops starting runs when its training budget ``B`` (``k3lab.experiments.scales.SCALES``, capped by
+  the time left) is spent, and judges its claims on the whole seeds it finished;
+* every finished run is appended to ``OUT/NN_x.runs.jsonl`` as it finishes, and papermill saves the executed
+  notebook as it goes, so a notebook killed at its hard limit (``B`` + ``--grace`` seconds) still leaves both;
+* after each notebook a first cell is added to its executed copy: date, machine, versions, parameters, wall time;
+* the last lines printed are a summary table (notebook, status, seconds, the ``VERDICT`` lines), also written to
+  ``OUT/summary.md``.
+
+``--estimate`` prints the FLOP-based estimate of each notebook's GPU time and exits.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+NOTEBOOKS = {"01": "01_linear_attention_lineage", "05": "05_nope_vs_rope", "06": "06_attention_residuals"}
+INLINE_BACKEND = "module://matplotlib_inline.backend_inline"
+H200_BF16_PEAK = 990e12  # dense bf16 FLOP/s
+MFU = 0.30  # what the small models are assumed to reach when compute-bound
+
+
+def ensure_kernel(name: str = "python3") -> None:
+    """Register this interpreter's Jupyter kernel when no kernel ``name`` exists (a fresh GPU machine)."""
+    from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
+
+    try:
+        KernelSpecManager().get_kernel_spec(name)
+    except NoSuchKernel:
+        subprocess.run([sys.executable, "-m", "ipykernel", "install", "--user", "--name", name], check=True)
+
+
+def machine() -> dict:
+    """Date, machine and versions for the record cell."""
+    import torch
+
+    info = {"date (UTC)": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "python": platform.python_version(),
+            "torch": torch.__version__, "cuda": torch.version.cuda or "none",
+            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none (CPU)",
+            "cpu cores": os.cpu_count()}
+    for package in ("triton", "papermill", "numpy"):
+        try:
+            info[package] = __import__(package).__version__
+        except ImportError:
+            info[package] = "absent"
+    try:
+        info["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                        text=True).stdout.strip() or "unknown"
+    except OSError:
+        info["commit"] = "unknown"
+    return info
+
+
+def verdicts_of(path: Path) -> list[str]:
+    """The ``VERDICT ...`` lines an executed notebook printed (stdout streams), in order."""
+    if not path.is_file():
+        return []
+    try:
+        nb = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return []
+    found = []
+    for cell in nb.get("cells", []):
+        for out in cell.get("outputs", []):
+            if out.get("output_type") == "stream" and out.get("name") == "stdout":
+                text = "".join(out.get("text", ""))
+                found += [line for line in text.splitlines() if line.startswith("VERDICT ")]
+    return found
+
+
+def add_record_cell(path: Path, info: dict, params: dict, status: str, seconds: float, command: str) -> None:
+    """Put a markdown cell first in the executed notebook: when, where, with what, how it went."""
+    if not path.is_file():
+        return
+    nb = json.loads(path.read_text())
+    lines = ["**GPU run record** (added by `notebooks/gpu_runs/run_claims.py`)", "",
+             "| | |", "|---|---|"]
+    lines += [f"| {k} | {v} |" for k, v in info.items()]
+    lines += [f"| parameters | {', '.join(f'`{k}={v!r}`' for k, v in params.items())} |",
+              f"| status | {status}, {seconds:.0f} s wall |", f"| command | `{command}` |"]
+    cell = {"cell_type": "markdown", "id": "gpu-run-record", "metadata": {"tags": ["gpu-run-record"]},
+            "source": [line + "\n" for line in lines[:-1]] + [lines[-1]]}
+    nb["cells"] = [c for c in nb["cells"] if c.get("id") != "gpu-run-record"]
+    nb["cells"].insert(0, cell)
+    path.write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n")
+
+
+def normalize(path: Path) -> None:
+    """Save the executed notebook as JupyterLab would (``tools/normalize_notebooks.py``), so it opens unmodified."""
+    tool = ROOT / "tools" / "normalize_notebooks.py"
+    if path.is_file() and tool.is_file():
+        subprocess.run([sys.executable, str(tool), str(path)], cwd=ROOT, capture_output=True)
+
+
+def estimate() -> None:
+    """FLOPs of each notebook's GPU scale and the time they take at 30% of the H200's bf16 peak, with a floor per
+    step for kernel launches (the models are small: most steps are launch-bound, see the notes printed)."""
+    sys.path.insert(0, str(ROOT))
+    from k3lab.config import ModelConfig
+    from k3lab.experiments.scales import SCALES
+    from k3lab.experiments.toy import MixerLM
+    from k3lab.model import K3ForCausalLM
+
+    def n_params(model, skip=("embed", "lm_head")):
+        return sum(p.numel() for n, p in model.named_parameters() if not any(s in n for s in skip))
+
+    rows = []
+    g = SCALES["01"]["gpu"]
+    n = n_params(MixerLM(g["vocab_size"], g["d_model"], g["n_layers"], "kda", 2, chunk_size=64))
+    runs = len(g["seeded"]) * 3 + (7 - len(g["seeded"]))
+    tokens = g["steps"] * g["batch_size"] * g["seq_len"]
+    rows.append(("01 MQAR", runs, g["steps"], tokens, n, 6 * n * tokens * runs, 2 * 600))
+    g = SCALES["05"]["gpu"]
+    cfg = ModelConfig.preset("tiny").replace(**g["model"], vocab_size=64, mlp_kind="dense", num_hidden_layers=g["layers"],
+                                             full_attn_layers=[g["layers"]])
+    n = n_params(K3ForCausalLM(cfg))
+    tokens = g["steps"] * g["batch_size"] * g["train_len"]
+    rows.append(("05 NoPE/RoPE", 8, g["steps"], tokens, n, 6 * n * tokens * 8, g["layers"] * 600))
+    g = SCALES["06"]["gpu"]
+    cfg = ModelConfig.preset("tiny").replace(**g["model"], vocab_size=259, mlp_kind="dense", num_hidden_layers=g["num_layers"],
+                                             full_attn_layers=[4, 8])
+    n = n_params(K3ForCausalLM(cfg))
+    tokens = g["steps"] * g["batch_size"] * g["seq_len"]
+    runs = 6 * 3  # PreNorm, AttnRes with 1, 2, 4, 8 blocks, AttnRes full: 6 variants x 3 seeds
+    rows.append(("06 AttnRes", runs, g["steps"], tokens, n, 6 * n * tokens * runs, g["num_layers"] * 600))
+    print(f"{'notebook':14s} {'runs':>4s} {'steps':>6s} {'tokens/run':>11s} {'params':>9s} {'PFLOP':>7s} "
+          f"{'compute s':>9s} {'launch s (graph / eager)':>25s}")
+    for name, runs, steps, tokens, n, flops, kernels in rows:
+        compute = flops / (MFU * H200_BF16_PEAK)
+        graph, eager = runs * steps * kernels * 3e-6, runs * steps * kernels * 10e-6
+        print(f"{name:14s} {runs:4d} {steps:6d} {tokens:11,d} {n / 1e6:8.2f}M {flops / 1e15:7.2f} {compute:9.1f} "
+              f"{graph:12.0f} / {eager:5.0f}")
+    print("compute: 6 x non-embedding parameters x tokens at 30% of 990 TFLOP/s; launch: ~600 kernels per layer and\n"
+          "step (forward, backward, update), 3 us each replayed from a CUDA graph, 10 us each launched eagerly. A step\n"
+          "takes the larger of the two; the budgets (SCALES[nb]['gpu']['budget_s']) cut whole seeds if it runs slower.")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "runs/claims")), help="output folder ($OUT)")
+    ap.add_argument("--smoke", action="store_true", help="scale 'smoke': tiny sizes, runs on a CPU")
+    ap.add_argument("--only", default=",".join(NOTEBOOKS), help="notebook numbers, e.g. 01,06 (default all three)")
+    ap.add_argument("--jobs", type=int, default=None, help="notebooks at once (default 3 on a GPU, 1 on a CPU)")
+    ap.add_argument("--deadline", type=float, default=450.0, help="seconds from start after which nothing runs")
+    ap.add_argument("--grace", type=float, default=90.0, help="seconds past a notebook's budget before it is killed")
+    ap.add_argument("--kernel", default="python3")
+    ap.add_argument("--estimate", action="store_true", help="print the GPU-time estimate and exit")
+    args = ap.parse_args(argv)
+    if args.estimate:
+        estimate()
+        return 0
+    t_start = time.monotonic()
+    import torch  # noqa: F401 (the record's versions; also fails early where torch is missing)
+
+    sys.path.insert(0, str(ROOT))
+    from k3lab.experiments.scales import SCALES
+
+    scale = "smoke" if args.smoke else "gpu"
+    wanted = [n.strip().zfill(2) for n in args.only.split(",") if n.strip()]
+    for n in wanted:
+        if n not in NOTEBOOKS:
+            ap.error(f"--only: {n} is not one of {sorted(NOTEBOOKS)}")
+    jobs = args.jobs or (3 if torch.cuda.is_available() else 1)
+    args.out.mkdir(parents=True, exist_ok=True)
+    ensure_kernel(args.kernel)
+    info = machine()
+    print("  ".join(f"{k}={v}" for k, v in info.items()), flush=True)
+    env = dict(os.environ, MPLBACKEND=INLINE_BACKEND, PYTHONPATH=os.pathsep.join(
+        [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    env.setdefault("OMP_NUM_THREADS", "4" if torch.cuda.is_available() else "1")
+
+    pending, running, results = list(wanted), {}, {}
+    while pending or running:
+        now = time.monotonic() - t_start
+        while pending and len(running) < jobs:  # start the next notebook with what time is left
+            nb = pending.pop(0)
+            name = NOTEBOOKS[nb]
+            left = args.deadline - now - args.grace
+            waves = -(-(len(pending) + 1) // jobs)  # this notebook and the ones after it, `jobs` at a time
+            budget = min(SCALES[nb][scale]["budget_s"] or 1e9, left / max(waves, 1))
+            if budget < 30:
+                results[nb] = dict(status="not run (no time left)", seconds=0.0, params={}, command="")
+                continue
+            params = dict(scale=scale, runs_file=str((args.out / f"{name}.runs.jsonl").resolve()),
+                          budget_s=float(round(budget)))
+            out = (args.out / f"{name}.ipynb").resolve()
+            cmd = [sys.executable, "-m", "papermill", f"{name}.ipynb", str(out), "-k", args.kernel, "--no-progress-bar",
+                   "--log-output"] + [x for k, v in params.items() for x in ("-p", k, str(v))]
+            log = (args.out / f"{name}.log").open("w")
+            proc = subprocess.Popen(cmd, cwd=ROOT / "notebooks", env=env, stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+            limit = budget + args.grace
+            running[nb] = dict(proc=proc, start=time.monotonic(), limit=limit, params=params, log=log,
+                               command="papermill " + " ".join(cmd[3:]))
+            print(f"[{time.monotonic() - t_start:5.0f} s] start {name}: budget {budget:.0f} s, killed after "
+                  f"{limit:.0f} s", flush=True)
+        time.sleep(1.0)
+        for nb, r in list(running.items()):
+            elapsed = time.monotonic() - r["start"]
+            code = r["proc"].poll()
+            late = elapsed > r["limit"] or time.monotonic() - t_start > args.deadline + args.grace
+            if code is None and not late:
+                continue
+            if code is None:  # past its hard limit: stop the kernel and papermill (their own process group)
+                os.killpg(r["proc"].pid, signal.SIGTERM)
+                try:
+                    r["proc"].wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    os.killpg(r["proc"].pid, signal.SIGKILL)
+                    r["proc"].wait()
+                status = f"cut at {elapsed:.0f} s (partial notebook and runs file kept)"
+            else:
+                status = "ok" if code == 0 else f"failed (exit {code}; see {NOTEBOOKS[nb]}.log)"
+            r["log"].close()
+            del running[nb]
+            results[nb] = dict(status=status, seconds=elapsed, params=r["params"], command=r["command"])
+            path = args.out / f"{NOTEBOOKS[nb]}.ipynb"
+            add_record_cell(path, info, r["params"], status, elapsed, r["command"])
+            normalize(path)
+            print(f"[{time.monotonic() - t_start:5.0f} s] {NOTEBOOKS[nb]}: {status} in {elapsed:.0f} s", flush=True)
+
+    lines = [f"# Claim notebooks, scale {scale}", "", "  ".join(f"{k}={v}" for k, v in info.items()), "",
+             "| notebook | status | seconds | runs logged | verdicts |", "|---|---|---:|---:|---|"]
+    for nb in wanted:
+        name, r = NOTEBOOKS[nb], results[nb]
+        runs_file = args.out / f"{name}.runs.jsonl"
+        n_runs = len(runs_file.read_text().splitlines()) if runs_file.is_file() else 0
+        verdicts = "<br>".join(v.replace("|", "\\|") for v in verdicts_of(args.out / f"{name}.ipynb")) or "—"
+        lines.append(f"| {name} | {r['status']} | {r['seconds']:.0f} | {n_runs} | {verdicts} |")
+    lines += ["", f"total wall time {time.monotonic() - t_start:.0f} s"]
+    summary = "\n".join(lines) + "\n"
+    (args.out / "summary.md").write_text(summary)
+    print("\n" + summary, flush=True)
+    return 0 if all(results[nb]["status"] == "ok" for nb in wanted) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
