@@ -70,6 +70,14 @@ at most that). A write of ±0 or ±inf over a ``p`` whose ``lo`` points the othe
 > 0 under ±inf) would join into a NaN; a split never makes such a pair, and QK-Clip's scaling by
 ``γ ∈ (0, 1]`` does not either unless a weight underflows to 0.
 
+Sharded parameters (FSDP2's DTensors, ``TrainConfig.moment_dtype="bfloat16"`` or ``master_format="split"`` above
+world size 1: :func:`k3lab.train.shard_masters`): the masters, ``lo`` and the moments are DTensors laid out as
+their parameters, and the fused step runs on the local shards (:func:`local`): the step is elementwise, so each
+rank does to its rows what one process does to them. The clip needs the global norm: a parallel run passes it
+(``clip_grad_norm_(max_norm, norm=...)``, from :func:`k3lab.parallel.fsdp.grad_norm`). Where the kernel does not
+run (the CPU: gloo tests) and the configuration needs the fused step (bf16 moments, split masters), its
+plain-PyTorch reference :func:`master_adamw_reference_` runs instead (``fused`` True, :attr:`~MasterWeightOptimizer.kernel` False).
+
 Checkpoints: ``state_dict()`` is the wrapped optimizer's, with each parameter's master added to its
 state under ``"master"`` as an fp32 tensor in either format (so :mod:`k3lab.checkpoint` writes it into
 ``optimizer.safetensors``, and a checkpoint resumes in either format); ``load_state_dict()`` restores the
@@ -77,6 +85,8 @@ masters exactly and copies ``bf16(w)`` into the model (split: ``(p, lo) = split(
 continues bit for bit.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import Tensor, nn
@@ -89,7 +99,7 @@ MASTER_FORMATS = ("float32", "split")    # TrainConfig.master_format: fp32 maste
 MASTER_KEY = "master"                    # the masters' key in each parameter's optimizer state
 
 __all__ = ["PARAM_DTYPES", "MOMENT_DTYPES", "MASTER_FORMATS", "MASTER_KEY", "cast_params_", "split_master",
-           "join_master", "MasterWeightOptimizer"]
+           "join_master", "adamw_scalars", "master_adamw_reference_", "local", "MasterWeightOptimizer"]
 
 
 def split_master(w: Tensor) -> tuple[Tensor, Tensor]:
@@ -129,6 +139,89 @@ def join_master(p: Tensor, lo: Tensor) -> Tensor:
     bits = p.contiguous().view(torch.int16).to(torch.int64) * 65536 + lo.to(torch.int64)  # ≡ (bits(p) << 16) + lo
     bits = ((bits + 2**31) & 0xFFFFFFFF) - 2**31  # mod 2³², into int32's range
     return bits.to(torch.int32).view(torch.float32)
+
+
+def adamw_scalars(lr: float, beta1: float, beta2: float, weight_decay: float, step: int) -> tuple[float, float, float]:
+    """The fused step's three scalars (the kernel's ``hyper [3]``): ``(1 − lr·λ, lr / (1 − β1ᵗ), √(1 − β2ᵗ))``,
+    in double on the host (rounded to float32 once, when written to the device)."""
+    if step < 1:
+        raise ValueError(f"step={step}: AdamW steps count from 1")
+    return 1.0 - lr * weight_decay, lr / (1.0 - beta1 ** step), math.sqrt(1.0 - beta2 ** step)
+
+
+@torch.no_grad()
+def master_adamw_reference_(master: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, param: Tensor,
+                            clip: Tensor, hyper: Tensor, *, beta1: float, beta2: float, eps: float) -> None:
+    """The fused master-weight AdamW step (:mod:`k3lab.kernels.adamw`'s module docstring) on one tensor, in plain
+    PyTorch: the kernel's float32 operations in the kernel's order, so where no fused multiply-add intervenes (the
+    CPU; Triton's interpreter) the same bits. In place on ``master`` (float32 ``w``, or the split format's int16
+    ``lo``: ``w = join_master(param, lo)``), ``exp_avg`` and ``exp_avg_sq`` (float32, or bf16: rounded to nearest
+    even after their update, before ``w`` reads them) and ``param`` (bf16: ``bf16(w)``, split: ``w``'s high half),
+    from ``grad`` (bf16) and ``clip`` (0-d float32). ``hyper [3]`` float32: :func:`adamw_scalars` on the device.
+    The five tensors: one shape, plain (a DTensor's local shard), on one device; ValueError otherwise."""
+    tensors = dict(master=master, grad=grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, param=param)
+    bad = [k for k, t in tensors.items() if t.shape != master.shape or t.device != master.device]
+    if bad or param.dtype != torch.bfloat16 or master.dtype not in (torch.float32, torch.int16):
+        raise ValueError(f"master_adamw_reference_: master float32|int16, param bf16, all of master's shape "
+                         f"{tuple(master.shape)} on {master.device}; got "
+                         + ", ".join(f"{k} {t.dtype} {tuple(t.shape)} on {t.device}" for k, t in tensors.items()))
+    f32 = torch.float32
+    decay, step_size, bc2_sqrt = hyper.to(f32).unbind()
+    b1, b2, e = (torch.tensor(x, dtype=f32, device=master.device) for x in (beta1, beta2, eps))  # as the kernel's fp32 args
+    split = master.dtype == torch.int16
+    g = grad.to(f32) * clip.to(f32)
+    w = (join_master(param, master) if split else master) * decay
+    m = b1 * exp_avg.to(f32) + (1 - b1) * g
+    v = b2 * exp_avg_sq.to(f32) + (1 - b2) * g * g
+    m, v = m.to(exp_avg.dtype), v.to(exp_avg_sq.dtype)  # the stored moments are what w reads (bf16: rounded)
+    w = w - step_size * m.to(f32) / (torch.sqrt(v.to(f32)) / bc2_sqrt + e)
+    if split:
+        p, lo = split_master(w)
+        master.copy_(lo)
+        param.copy_(p)
+    else:
+        master.copy_(w)
+        param.copy_(w.to(torch.bfloat16))  # round to nearest even
+    exp_avg.copy_(m)
+    exp_avg_sq.copy_(v)
+
+
+class _ReferenceLaunch:
+    """:class:`k3lab.kernels.adamw.AdamWLaunch`'s surface over :func:`master_adamw_reference_`, one tensor at a
+    time: what :class:`MasterWeightOptimizer` runs where the kernel does not (the CPU without the interpreter)."""
+
+    def __init__(self, masters, grads, exp_avgs, exp_avg_sqs, params, device: torch.device):
+        self.members = list(zip(masters, grads, exp_avgs, exp_avg_sqs, params))
+        self.hyper = torch.zeros(3, dtype=torch.float32, device=device)  # [decay, step_size, bc2_sqrt]
+
+    def set_scalars(self, lr: float, beta1: float, beta2: float, weight_decay: float, step: int) -> None:
+        self.hyper.copy_(torch.tensor(adamw_scalars(lr, beta1, beta2, weight_decay, step), dtype=torch.float32))
+
+    def launch(self, clip: Tensor, beta1: float, beta2: float, eps: float) -> None:
+        for w, g, m, v, p in self.members:
+            master_adamw_reference_(w, g, m, v, p, clip, self.hyper, beta1=beta1, beta2=beta2, eps=eps)
+
+
+def local(t: Tensor) -> Tensor:
+    """A DTensor's local shard (FSDP2: this rank's rows, a view of its storage), a plain tensor as it is."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _version(p: Tensor) -> int:
+    """The in-place version counter of ``p``'s storage: its local shard's for a DTensor (QK-Clip and the
+    optimizer write the shard)."""
+    return local(p)._version
+
+
+def _like(local_tensor: Tensor, ref: Tensor) -> Tensor:
+    """``local_tensor`` laid out as ``ref``: the DTensor of ``ref``'s mesh, placements, shape and stride whose local
+    shard it is (FSDP2's uneven shards included); ``local_tensor`` itself when ``ref`` is plain."""
+    if not hasattr(ref, "to_local"):
+        return local_tensor
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local_tensor, ref.device_mesh, ref.placements, run_check=False, shape=ref.shape,
+                              stride=ref.stride())
 
 
 def cast_params_(model: nn.Module, dtype: str = "bfloat16") -> int:
@@ -175,6 +268,11 @@ class MasterWeightOptimizer:
     tensors in its ``param_groups`` as it takes any leaf tensor (it checks no dtype there, and on load casts
     state only to floating parameters' dtypes, so the moments keep theirs); only the fused kernel reads and
     writes them, :meth:`step` never calls the wrapped ``step()`` in this format.
+
+    ``fused``: whether the fused step runs (clip inside the step, moments in ``moment_dtype``); ``kernel``: whether
+    it runs as the Triton kernel (else as :func:`master_adamw_reference_`, chosen with ``fused=None`` where the kernel
+    does not run and bf16 moments or split masters need the fused step). Parameters may be DTensor shards
+    (the module docstring).
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, fused: bool | None = None,
@@ -198,15 +296,19 @@ class MasterWeightOptimizer:
         why_not = self.why_not_fused()
         if fused and why_not:
             raise ValueError(f"MasterWeightOptimizer(fused=True): {why_not}; use fused=False (or None: fused where it applies)")
-        self.fused = why_not is None if fused is None else bool(fused)
+        self.kernel = why_not is None and fused is not False  # the fused step as the Triton kernel
+        needed = moment_dtype != "float32" or master_format == "split"  # only the fused step keeps these
+        why_not_reference = self.why_not_reference()
+        # fused=None where the kernel does not run (the CPU) but the configuration needs the fused step: its reference
+        self.fused = self.kernel or (fused is None and needed and why_not_reference is None)
+        why_not = why_not_reference or why_not or "fused=False was asked for"
         if moment_dtype != "float32" and not self.fused:
             raise ValueError(f"TrainConfig.moment_dtype={moment_dtype!r} needs the fused AdamW step, which does not "
-                             f"run here: {why_not or 'fused=False was asked for'}; use moment_dtype='float32'")
+                             f"run here: {why_not}; use moment_dtype='float32'")
         if master_format == "split" and not self.fused:
-            raise ValueError(f"TrainConfig.master_format={master_format!r} needs the fused AdamW step (only its kernel "
+            raise ValueError(f"TrainConfig.master_format={master_format!r} needs the fused AdamW step (only it "
                              "rebuilds the master from the bf16 parameter and its int16 low half, and splits it back), "
-                             f"which does not run here: {why_not or 'fused=False was asked for'}; "
-                             "use master_format='float32'")
+                             f"which does not run here: {why_not}; use master_format='float32'")
         self.moment_dtype = getattr(torch, moment_dtype)
         self.master_format = master_format
         if master_format == "split":  # lo = 0: join(p, 0) = float32(p), the master of a bf16 parameter
@@ -216,7 +318,7 @@ class MasterWeightOptimizer:
         master_of = {id(p): w for p, w in zip(self.params, self.masters)}
         for g in optimizer.param_groups:
             g["params"] = [master_of[id(p)] for p in g["params"]]
-        self._versions = [p._version for p in self.params]
+        self._versions = [_version(p) for p in self.params]
         self._param_of = {id(w): p for p, w in zip(self.params, self.masters)}
         self._keep_grads = False
         self._clip: Tensor | None = None  # the fused step's clip coefficient (0-d float32, on the device)
@@ -249,13 +351,29 @@ class MasterWeightOptimizer:
         if any(g.get("amsgrad") or g.get("maximize") for g in self.optimizer.param_groups):
             return "the fused step has no amsgrad or maximize"
         interpreted = os.environ.get("TRITON_INTERPRET") == "1"  # CPU tests of the kernel
-        if not all((p.is_cuda or interpreted) and p.dtype == torch.bfloat16 and p.is_contiguous() for p in self.params):
+        if not all((p.is_cuda or interpreted) and p.dtype == torch.bfloat16 and local(p).is_contiguous()
+                   for p in self.params):
             return "the fused step needs every parameter to be a contiguous bf16 CUDA tensor"
         try:
             import k3lab.kernels.adamw  # noqa: F401
         except ImportError as err:
             return f"k3lab.kernels.adamw does not import ({err})"
         return None
+
+    def why_not_reference(self) -> str | None:
+        """None when the fused step's plain-PyTorch reference (:func:`master_adamw_reference_`, any device) applies:
+        a wrapped ``torch.optim.AdamW`` without amsgrad or maximize over bf16 parameters; else the reason."""
+        if type(self.optimizer) is not torch.optim.AdamW:
+            return f"the fused step is AdamW's, the wrapped optimizer is {type(self.optimizer).__name__}"
+        if any(g.get("amsgrad") or g.get("maximize") for g in self.optimizer.param_groups):
+            return "the fused step has no amsgrad or maximize"
+        if not all(p.dtype == torch.bfloat16 for p in self.params):
+            return "the fused step needs every parameter to be a bf16 tensor"
+        return None
+
+    def param_of(self, master: Tensor) -> nn.Parameter:
+        """The model parameter whose master ``master`` is (an entry of :attr:`param_groups`)."""
+        return self._param_of[id(master)]
 
     # -- the torch.optim.Optimizer surface that k3lab uses -----------------------------------------
     @property
@@ -273,9 +391,9 @@ class MasterWeightOptimizer:
     @torch.no_grad()
     def float32_masters(self) -> list[Tensor]:
         """The fp32 masters in :attr:`masters`' order: the masters themselves (``"float32"``), or new tensors
-        ``join_master(p, lo)`` (``"split"``)."""
+        ``join_master(p, lo)`` (``"split"``; DTensors laid out as their parameters when these are)."""
         if self.master_format == "split":
-            return [join_master(p, lo) for p, lo in zip(self.params, self.masters)]
+            return [_like(join_master(local(p), local(lo)), p) for p, lo in zip(self.params, self.masters)]
         return list(self.masters)
 
     # -- the step -------------------------------------------------------------------------------
@@ -291,9 +409,10 @@ class MasterWeightOptimizer:
             return 0
         changed = 0
         for i, (p, w) in enumerate(zip(self.params, self.masters)):
-            if p._version != self._versions[i]:
-                w.copy_(torch.where(p != w.to(p.dtype), p.float(), w))
-                self._versions[i] = p._version
+            if _version(p) != self._versions[i]:
+                p_, w_ = local(p), local(w)
+                w_.copy_(torch.where(p_ != w_.to(p_.dtype), p_.float(), w_))
+                self._versions[i] = _version(p)
                 changed += 1
         return changed
 
@@ -313,20 +432,26 @@ class MasterWeightOptimizer:
         return self.masters
 
     @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float) -> Tensor:
+    def clip_grad_norm_(self, max_norm: float, norm: Tensor | None = None) -> Tensor:
         """The global 2-norm of the gradients (a 0-d float32 tensor, on the device) and the clip to
         ``max_norm``, as ``nn.utils.clip_grad_norm_`` computes them (``c = min(1, max_norm / (norm + 1e-6))``).
         Unfused: :meth:`grads_to_masters`, then ``nn.utils.clip_grad_norm_`` on the masters' fp32 grads.
         Fused: the norm from the bf16 gradients, accumulated in float32; ``c`` is applied inside
-        :meth:`step`."""
+        :meth:`step`. ``norm``: the global norm computed elsewhere (fused only; a parallel run's, over every rank's
+        shards: :func:`k3lab.parallel.fsdp.grad_norm`), used as it is, in float32."""
         if not self.fused:
+            if norm is not None:
+                raise ValueError("MasterWeightOptimizer.clip_grad_norm_(norm=...): the unfused path clips the "
+                                 "masters' fp32 gradients itself; a given norm needs the fused step")
             return nn.utils.clip_grad_norm_(self.grads_to_masters(), max_norm)
         self.sync_from_params()
         grads = [p.grad for p in self.params if p.grad is not None]
         if not grads:
             self._clip = None
             return torch.zeros((), device=self.masters[0].device)
-        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32)))
+        if norm is None:
+            norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32)))
+        norm = norm.to(torch.float32)
         self._clip = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         return norm
 
@@ -339,8 +464,10 @@ class MasterWeightOptimizer:
 
         With :attr:`keep_grads` the launches (their tables of addresses) are kept and reused: the gradients
         are then the same tensors every step, and a CUDA graph of :meth:`run_fused_step` replays them."""
-        from k3lab.kernels.adamw import AdamWLaunch
-
+        if self.kernel:
+            from k3lab.kernels.adamw import AdamWLaunch as Launch
+        else:  # the kernel's plain-PyTorch reference (the CPU)
+            Launch = _ReferenceLaunch
         members_of: dict[tuple[int, int], list] = {}
         for index, group in enumerate(self.optimizer.param_groups):
             for w in group["params"]:
@@ -349,9 +476,7 @@ class MasterWeightOptimizer:
                     continue
                 state = self.optimizer.state[w]
                 if not state:
-                    state.update(step=torch.zeros((), dtype=torch.float32, device=w.device),
-                                 exp_avg=torch.zeros_like(w, dtype=self.moment_dtype, memory_format=torch.preserve_format),
-                                 exp_avg_sq=torch.zeros_like(w, dtype=self.moment_dtype, memory_format=torch.preserve_format))
+                    self._new_state(w)
                     self._steps[id(w)] = 0
                 elif id(w) not in self._steps:  # state loaded from a checkpoint: read its step once
                     self._steps[id(w)] = int(state["step"])
@@ -363,9 +488,10 @@ class MasterWeightOptimizer:
             key = (index, tuple(id(w) for w, _, _ in members))
             launch = self._launches.get(key) if self.keep_grads else None
             if launch is None:
-                launch = AdamWLaunch([w for w, _, _ in members], [p.grad for _, p, _ in members],
-                                     [s["exp_avg"] for _, _, s in members], [s["exp_avg_sq"] for _, _, s in members],
-                                     [p for _, p, _ in members], self.masters[0].device)
+                launch = Launch([local(w) for w, _, _ in members], [local(p.grad) for _, p, _ in members],
+                                [local(s["exp_avg"]) for _, _, s in members],
+                                [local(s["exp_avg_sq"]) for _, _, s in members], [local(p) for _, p, _ in members],
+                                local(self.masters[0]).device)
                 if self.keep_grads:
                     self._launches[key] = launch
             beta1, beta2 = group["betas"]
@@ -373,12 +499,34 @@ class MasterWeightOptimizer:
             launches.append((launch, group, [s["step"] for _, _, s in members]))
         return launches
 
+    def _new_state(self, w: Tensor) -> dict:
+        """Torch's AdamW state for the master ``w``, zero (step 0; the moments in :attr:`moment_dtype`, laid out as
+        ``w``: DTensors for sharded parameters), as torch's fused AdamW makes it: ``step`` a 0-d float32."""
+        state = self.optimizer.state[w]
+        state.update(step=torch.zeros((), dtype=torch.float32, device=local(w).device),
+                     exp_avg=torch.zeros_like(w, dtype=self.moment_dtype, memory_format=torch.preserve_format),
+                     exp_avg_sq=torch.zeros_like(w, dtype=self.moment_dtype, memory_format=torch.preserve_format))
+        return state
+
+    @torch.no_grad()
+    def init_state(self) -> None:
+        """Zero AdamW state (step 0) for every master that has none (the fused step): what a sharded checkpoint
+        is loaded into (:func:`k3lab.parallel.checkpoint.load_distributed`); the next step counts from the
+        loaded step."""
+        if not self.fused:
+            raise ValueError("MasterWeightOptimizer.init_state: the unfused path's state is torch's AdamW's own "
+                             "(built by its step)")
+        for w in self.masters:
+            if not self.optimizer.state[w]:
+                self._new_state(w)
+        self._steps.clear()  # read from the state at the next step
+
     @torch.no_grad()
     def run_fused_step(self, launches: list) -> None:
         """The device half of the fused step (no host work: a CUDA graph can capture it): the kernel launches
         of :meth:`prepare_fused_step` with the clip coefficient of :meth:`clip_grad_norm_` (1 if none), then
         every stepped parameter's ``step += 1``."""
-        clip = self._clip if self._clip is not None else torch.ones((), device=self.masters[0].device)
+        clip = self._clip if self._clip is not None else torch.ones((), device=local(self.masters[0]).device)
         for launch, group, _ in launches:
             beta1, beta2 = group["betas"]
             launch.launch(clip, beta1, beta2, group["eps"])
@@ -395,7 +543,7 @@ class MasterWeightOptimizer:
             for p in self.params:
                 p.grad = None
         self._clip = None
-        self._versions = [p._version for p in self.params]
+        self._versions = [_version(p) for p in self.params]
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -429,8 +577,8 @@ class MasterWeightOptimizer:
         if self.master_format == "split":
             raise ValueError("MasterWeightOptimizer: TrainConfig.master_format='split' has no fp32 master to copy "
                              "into the parameters (they are the masters' high halves)")
-        torch._foreach_copy_(self.params, self.masters)  # fp32 -> the parameter's dtype: round to nearest even
-        self._versions = [p._version for p in self.params]
+        torch._foreach_copy_([local(p) for p in self.params], [local(w) for w in self.masters])  # to bf16: nearest even
+        self._versions = [_version(p) for p in self.params]
 
     # -- checkpoints ----------------------------------------------------------------------------
     @torch.no_grad()
@@ -446,7 +594,11 @@ class MasterWeightOptimizer:
         state = {k: dict(v) for k, v in sd["state"].items()}
         for p, w in zip(self.params, self.masters):
             # a reference, as torch's own state tensors; split: the rebuilt fp32 master
-            master = join_master(p, w).cpu() if self.master_format == "split" else w
+            if self.master_format == "split":  # a DTensor shard stays on its device (DCP writes it from there)
+                master = join_master(local(p), local(w))
+                master = _like(master, p) if hasattr(p, "to_local") else master.cpu()
+            else:
+                master = w
             state.setdefault(index[id(w)], {})[MASTER_KEY] = master
         return {"state": state, "param_groups": sd["param_groups"]}
 
@@ -469,11 +621,11 @@ class MasterWeightOptimizer:
                 raise ValueError(f"MasterWeightOptimizer.load_state_dict: master {i} has shape {tuple(master.shape)}, "
                                  f"the parameter {tuple(w.shape)}")
             if self.master_format == "split":  # the parameter is the master's high half: written here, exactly
-                p, lo = split_master(master.to(device=w.device, dtype=torch.float32))
-                self._param_of[id(w)].copy_(p)
-                w.copy_(lo)
+                p, lo = split_master(local(master).to(device=local(w).device, dtype=torch.float32))
+                local(self._param_of[id(w)]).copy_(p)
+                local(w).copy_(lo)
             else:
-                w.copy_(master)
+                local(w).copy_(local(master))
         self.optimizer.load_state_dict({"state": {i: s for i, s in state.items() if s},
                                         "param_groups": state_dict["param_groups"]})
         for s in self.optimizer.state.values():  # torch casts loaded state to the masters' fp32 (split: leaves the
@@ -484,6 +636,6 @@ class MasterWeightOptimizer:
         self._steps.clear()  # the fused step reads the loaded step counts
         self._launches.clear()  # their addresses were of the replaced moments
         if self.master_format == "split":
-            self._versions = [p._version for p in self.params]
+            self._versions = [_version(p) for p in self.params]
         else:
             self._copy_to_params()

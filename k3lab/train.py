@@ -26,7 +26,10 @@ Precision: ``dtype="bfloat16"`` runs forward and backward under bf16 autocast. `
 (with bf16 autocast only: :data:`PRECISIONS`) also keeps the model's trainable parameters in bf16 and
 steps fp32 master copies of them (:mod:`k3lab.precision`): the bf16 grads become the masters' fp32
 grads, the clip (and the logged ``grad_norm``) is on those, the optimizer steps the masters, then
-``p ← bf16(master)``. ``fused_loss=True`` sets the model's ``fused_loss`` (K3: the chunked linear
+``p ← bf16(master)``. Above world size 1 the same switches hold on each rank's shards (:func:`shard_masters`):
+FSDP2 mixed precision with the fp32 shards as the masters, or, with ``moment_dtype="bfloat16"`` /
+``master_format="split"``, bf16 shards and the one-GPU fused master step on the local shards (docs/training.md,
+section "One loop for every world size"). ``fused_loss=True`` sets the model's ``fused_loss`` (K3: the chunked linear
 cross-entropy of :mod:`k3lab.losses`; it changes only float rounding).
 
 Checkpoints (``out_dir/ckpt-00000100/`` plus the ``out_dir/latest`` pointer; safetensors + JSON,
@@ -90,11 +93,13 @@ class TrainConfig:
     param_dtype: str = "float32"              # PARAM_DTYPES: "float32" = params as the model has them, stepped directly |
                                               # "bfloat16" = cast to bf16, fp32 master weights (k3lab.precision)
     moment_dtype: str = "float32"             # MOMENT_DTYPES: AdamW's m and v; "bfloat16" needs param_dtype="bfloat16",
-                                              # AdamW and the fused step (CUDA): 4 bytes a parameter less
+                                              # AdamW and the fused step (CUDA; the CPU: its reference): 4 bytes a
+                                              # parameter less; above world size 1 on the local shards (shard_masters)
     master_format: str = "float32"            # MASTER_FORMATS: how the fp32 masters are kept; "split" = the bf16
                                               # param is the master's high half, an int16 tensor the rest (exact;
                                               # k3lab.precision): needs param_dtype="bfloat16", AdamW and the fused
-                                              # step (CUDA): 2 bytes a parameter less
+                                              # step (CUDA; the CPU: its reference): 2 bytes a parameter less; above
+                                              # world size 1 bf16 shards + lo shards (shard_masters)
     fused_loss: bool = False                  # True: set model.fused_loss (K3: chunked linear CE); False: leave it
     compile: str = "none"                     # COMPILE_MODES: "none" (eager) | "sublayer" (k3lab.compile)
     recompute: str = "none"                   # RECOMPUTE_MODES: "none" | "selective" | "mixer" | "sublayer" (k3lab.memory)
@@ -382,12 +387,15 @@ def _setup(model, cfg: TrainConfig, parallel, first_batch_shape) -> _Run:
     meta = next(net.parameters()).is_meta
     if not meta:
         net.to(device)
-    if cfg.param_dtype != "float32" and not distributed:
+    on_shards = distributed and shard_masters(cfg)
+    if cfg.param_dtype != "float32" and (not distributed or on_shards):
         cast_params_(net, cfg.param_dtype)  # trainable floating params only; buffers stay as the model made them
-    bf16_compute = torch.bfloat16 if distributed and cfg.param_dtype == "bfloat16" else None  # FSDP2 mixed precision
+    # FSDP2 mixed precision: bf16 compute from fp32 shards (the masters), or bf16 shards (masters on them: fit)
+    bf16_compute = torch.bfloat16 if distributed and cfg.param_dtype == "bfloat16" and not on_shards else None
     net, experts = parallelize(net, groups, device, ep_kind=getattr(parallel, "ep_kind", "moonep"),
                                cp_layout=getattr(parallel, "cp_layout", "contiguous"), recompute=cfg.recompute,
-                               recompute_layers=cfg.recompute_layers, compile=cfg.compile, param_dtype=bf16_compute)
+                               recompute_layers=cfg.recompute_layers, compile=cfg.compile, param_dtype=bf16_compute,
+                               reduce_dtype=torch.float32 if on_shards else None)
     if meta:
         from k3lab.parallel.materialize import materialize_from_rank0
 
@@ -400,14 +408,20 @@ def _setup(model, cfg: TrainConfig, parallel, first_batch_shape) -> _Run:
     return _Run(net, device, groups, parallel, experts, expert_layout(net, experts, groups))
 
 
+def shard_masters(cfg: TrainConfig) -> bool:
+    """Whether a sharded run (world size > 1) keeps its masters on the local shards: the parameters stay bf16
+    FSDP2 shards and :class:`~k3lab.precision.MasterWeightOptimizer` steps each rank's shards with the one-GPU fused
+    step (the Triton kernel on CUDA, its plain-PyTorch reference on the CPU) — what ``moment_dtype="bfloat16"``
+    and ``master_format="split"`` need, since only that step keeps bf16 moments or splits a master. Otherwise
+    ``param_dtype="bfloat16"`` above world size 1 is FSDP2's MixedPrecisionPolicy: the fp32 sharded parameters
+    are the masters and torch's AdamW steps them (fp32 moments)."""
+    return cfg.param_dtype == "bfloat16" and (cfg.moment_dtype != "float32" or cfg.master_format != "float32")
+
+
 # TrainConfig values that run at world size 1 only: (field, the value a sharded run takes, why)
 _NOT_SHARDED = (
     ("cuda_graph", False, "the step is not captured: its NCCL collectives (FSDP2's all-gathers and "
                           "reduce-scatters, EP's all-to-alls with data-dependent sizes) are issued from Python hooks"),
-    ("moment_dtype", "float32", "FSDP2 keeps the fp32 masters as the sharded parameters (MixedPrecisionPolicy) and "
-                                "torch's AdamW steps them; bf16 moments are the fused one-GPU master step's"),
-    ("master_format", "float32", "FSDP2's sharded parameters are the fp32 masters (MixedPrecisionPolicy); split "
-                                 "masters are the fused one-GPU master step's"),
 )
 
 
@@ -463,7 +477,7 @@ def _group_settings(optimizer) -> list[dict]:
 def _resume(run: _Run, resume_from, cfg: TrainConfig, optimizer, masters, batch_shape, data) -> dict:
     """Load weights, optimizer state, RNG, step and history; this run's optimizer hyperparameters stay."""
     path, dcp, saved = _saved_state(resume_from)
-    if dcp and masters is not None:
+    if dcp and masters is not None and not run.distributed:
         raise ValueError(f"TrainConfig.param_dtype={cfg.param_dtype!r}: {path} is a sharded (DCP) checkpoint, whose "
                          "fp32 parameters the one-process master-weight optimizer does not read; resume it with "
                          "param_dtype='float32' at world size 1, or at the world size it was saved with")
@@ -474,6 +488,13 @@ def _resume(run: _Run, resume_from, cfg: TrainConfig, optimizer, masters, batch_
         raise ValueError(f"TrainConfig.param_dtype={cfg.param_dtype!r}: the checkpoint at {path} was "
                          f"trained with param_dtype={saved['param_dtype']!r}; resume with that value "
                          "(the fp32 master weights exist only in a param_dtype='bfloat16' run)")
+    if dcp and run.distributed and shard_masters(cfg) != shard_masters(TrainConfig(
+            **{k: saved[k] for k in ("dtype", "param_dtype", "moment_dtype", "master_format", "optimizer")})):
+        raise ValueError(f"TrainConfig.moment_dtype={cfg.moment_dtype!r}, master_format={cfg.master_format!r}: the "
+                         f"checkpoint at {path} was trained with param_dtype={saved['param_dtype']!r}, moment_dtype="
+                         f"{saved['moment_dtype']!r}, master_format={saved['master_format']!r}, whose sharded state "
+                         "has another layout (fp32 shards as masters, or bf16 shards with the optimizer's masters); "
+                         "resume with those values")
     _resume_report(saved, cfg, batch_shape, data)
     settings = _group_settings(optimizer)
     if dcp:
@@ -520,7 +541,8 @@ def fit(model, train_batches, cfg: TrainConfig, val_batches=None, resume_from: s
     data:          a name for the data source, recorded in checkpoints (a resume warns when it differs).
 
     ``cfg.param_dtype="bfloat16"`` casts the model's trainable floating parameters to bf16 in place at
-    world size 1 (above it, FSDP2 computes in bf16 from fp32 sharded masters) and ``cfg.fused_loss=True``
+    world size 1 (above it, FSDP2 computes in bf16 from fp32 sharded masters, or, with bf16 moments or split
+    masters, keeps bf16 shards whose masters the optimizer holds: :func:`shard_masters`) and ``cfg.fused_loss=True``
     sets ``model.fused_loss``; both stay so after fit returns. A one-process resume must use the
     ``param_dtype`` the checkpoint was written with (ValueError otherwise).
     Raises :class:`TrainingDiverged` on a non-finite loss or gradient norm, before that step
@@ -534,7 +556,7 @@ def fit(model, train_batches, cfg: TrainConfig, val_batches=None, resume_from: s
     model, device = run.model, run.device
     optimizer = make_optimizer(model, cfg)
     masters = None
-    if cfg.param_dtype != "float32" and not run.distributed:  # step fp32 masters of the bf16 parameters
+    if cfg.param_dtype != "float32" and (not run.distributed or shard_masters(cfg)):  # fp32 masters of bf16 params
         optimizer = masters = MasterWeightOptimizer(model, optimizer, moment_dtype=cfg.moment_dtype,
                                                     master_format=cfg.master_format)
     step_fn = _Step(run, cfg, optimizer, masters)
@@ -685,7 +707,7 @@ class _Step:
         self.clip = cfg.grad_clip or math.inf
         self.graphed = self.graphed_update = None
         if cfg.cuda_graph:
-            if masters is not None and not masters.fused:
+            if masters is not None and not masters.kernel:
                 raise ValueError("TrainConfig.cuda_graph=True with param_dtype='bfloat16' needs the fused master AdamW "
                                  f"step ({masters.why_not_fused()}); use cuda_graph=False")
             self.graphed = GraphedForwardBackward(run.model, torch.bfloat16 if cfg.dtype == "bfloat16" else None,
@@ -697,11 +719,15 @@ class _Step:
         """The global gradient norm (a tensor; not read back here) and the clip."""
         run = self.run
         if run.distributed:
-            from k3lab.parallel.fsdp import clip_grad_norm_, sum_expert_grads_
+            from k3lab.parallel.fsdp import clip_grad_norm_, grad_norm, sum_expert_grads_
 
             sum_expert_grads_([p for p in self.params if p in run.experts], run.groups.edp)
-            return clip_grad_norm_(self.params, self.clip, run.experts, run.dims.world_size // run.dims.ep,
-                                   run.groups.world)
+            replicas = run.dims.world_size // run.dims.ep
+            if self.masters is not None:  # masters on the local shards: the global norm, the clip inside the step
+                norm = grad_norm(self.params, run.experts, replicas, run.groups.world)
+                self.masters.clip_grad_norm_(self.clip, norm=norm)
+                return norm
+            return clip_grad_norm_(self.params, self.clip, run.experts, replicas, run.groups.world)
         if self.masters is not None:  # the masters' clip (fp32 grads, or the fused step's norm from bf16 grads)
             return self.masters.clip_grad_norm_(self.clip)
         return nn.utils.clip_grad_norm_(self.params, self.clip)

@@ -231,6 +231,60 @@ def test_bf16_moments_kernel_equals_the_plain_formula():
 
 
 @needs_kernels
+@pytest.mark.parametrize("master_format", MASTER_FORMATS)
+@pytest.mark.parametrize("moments", [torch.float32, torch.bfloat16])
+def test_reference_step_is_the_kernel(moments, master_format):
+    """master_adamw_reference_ (the fused step where no kernel runs: the CPU, FSDP2's local shards under gloo)
+    against the kernel, three steps from one state, a clip active then not: masters and float32 moments within
+    float32 rounding, bf16 moments and parameters within one bf16 rounding (Triton's interpreter evaluates the
+    scalar terms such as 1 − β1 in double, a GPU fuses multiply-adds: the same formula, not the same bits)."""
+    from k3lab.kernels.adamw import master_adamw_step_
+    from k3lab.precision import adamw_scalars, master_adamw_reference_
+
+    gen = torch.Generator().manual_seed(5)
+    shapes = [(70, 33), (5,), (2100,)]  # one tensor over a kernel block
+    start = [torch.randn(*s, generator=gen).to(DEVICE) for s in shapes]
+
+    def state():  # [masters, exp_avgs, exp_avg_sqs, params]
+        split = [split_master(w) for w in start]
+        masters = [lo for _, lo in split] if master_format == "split" else [w.clone() for w in start]
+        params = [p for p, _ in split] if master_format == "split" else [w.to(torch.bfloat16) for w in start]
+        return [masters, [torch.zeros_like(w, dtype=moments) for w in start],
+                [torch.zeros_like(w, dtype=moments) for w in start], params]
+
+    kernel = state()
+    hyper = dict(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+    for step in range(1, 4):  # each step from the kernel's state before it
+        reference = [[t.clone() for t in ts] for ts in kernel]
+        grads = [torch.randn(*s, generator=gen).to(DEVICE, torch.bfloat16) for s in shapes]
+        clip = torch.tensor(0.5 if step == 1 else 1.0, device=DEVICE)
+        w, m, v, p = kernel
+        master_adamw_step_(w, grads, m, v, p, clip, step=step, **hyper)
+        scalars = torch.tensor(adamw_scalars(hyper["lr"], hyper["beta1"], hyper["beta2"], hyper["weight_decay"], step),
+                               dtype=torch.float32, device=DEVICE)
+        before = [[t.float() for t in ts] for ts in reference[1:3]]
+        for w, m, v, g, p in zip(*reference[:3], grads, reference[3]):
+            master_adamw_reference_(w, g, m, v, p, clip, scalars, beta1=0.9, beta2=0.95, eps=1e-8)
+        for i in range(len(shapes)):
+            a, b = reference[0][i], kernel[0][i]
+            if master_format == "split":  # the joined float32 masters
+                a, b = join_master(reference[3][i], a), join_master(kernel[3][i], b)
+            # float32 rounding through m / √v; bf16 moments a rounding apart move the update by up to 2⁻⁸ of itself
+            assert_close(f"master {i}, step {step}", b, a, 1e-5 if moments == torch.float32 else 1e-3)
+            for k, new in ((1, grads[i].float().abs()), (2, grads[i].float() ** 2)):
+                a, b = reference[k][i].float(), kernel[k][i].float()
+                if moments == torch.float32:
+                    assert_close(f"moment {k} {i}, step {step}", b, a, FP32)
+                else:  # one bf16 rounding apart, or float32 rounding of the two terms where they cancel
+                    terms = before[k - 1][i].abs() + new
+                    bound = torch.finfo(torch.bfloat16).eps * torch.maximum(a.abs(), b.abs()) + 1e-6 * terms
+                    assert ((a - b).abs() <= bound).all(), (k, i, step)
+        for w, p in zip(reference[0], reference[3]):  # p is its master's rounding (split: its high half)
+            want = split_master(join_master(p, w))[0] if master_format == "split" else w.to(torch.bfloat16)
+            assert torch.equal(p, want)
+
+
+@needs_kernels
 def test_bf16_moments_optimizer_state_and_resume():
     """MasterWeightOptimizer(moment_dtype="bfloat16"): bf16 moments in torch's AdamW state, within bf16 rounding
     of the float32-moment run after the first step (later steps see other gradients: this toy loss amplifies

@@ -64,11 +64,150 @@ def test_switches_at_two_ranks_equal_one_process():
 
 
 def test_refused_at_world_size_above_one_with_the_reason():
-    """What runs only in one process is refused at 2 ranks naming the field and why (never silently ignored)."""
-    for field, value in (("cuda_graph", True), ("moment_dtype", "bfloat16"), ("master_format", "split")):
-        kw = {field: value, **({} if field == "cuda_graph" else dict(dtype="bfloat16", param_dtype="bfloat16"))}
-        errors = run_ranks(_refusal_worker, 2, kw)
-        assert all(f"TrainConfig.{field}=" in e and "world size 2" in e for e in errors), errors
+    """What runs only in one process (the CUDA-graph step) is refused at 2 ranks naming the field and why (never
+    silently ignored)."""
+    errors = run_ranks(_refusal_worker, 2, dict(cuda_graph=True))
+    assert all("TrainConfig.cuda_graph=True" in e and "world size 2" in e for e in errors), errors
+
+
+# ---------------------------------------------------------------------------------------------
+# bf16 moments and split masters on FSDP2's local shards (k3lab.train.shard_masters)
+# ---------------------------------------------------------------------------------------------
+MASTER_SETTINGS = {"bf16 moments": dict(moment_dtype="bfloat16"), "split masters": dict(master_format="split"),
+                   "both": dict(moment_dtype="bfloat16", master_format="split")}
+BF16_WEIGHTS = dict(dtype="bfloat16", param_dtype="bfloat16")
+# 2 ranks against one process with bf16 weights and the masters on the shards: the same fused step on the same
+# elements (exact: test_master_step_on_local_shards_is_the_one_process_step); what differs is the gradient's
+# bf16 rounding: one process rounds the whole batch's gradient once, 2 ranks round each half, sum them in
+# float32 and round the sum (measured: < 4e-4 relative over 3 steps)
+BF16_GRADIENTS = 2e-3
+
+
+def _master_switch_worker(rank, world):
+    cfg = ModelConfig.preset("tiny")
+    return {name: fit(lambda: K3ForCausalLM(cfg), _batches(), _cfg(**BF16_WEIGHTS, **kw),
+                      parallel=ParallelOptions()).losses for name, kw in MASTER_SETTINGS.items()}
+
+
+def test_bf16_moments_and_split_masters_at_two_ranks_equal_one_process():
+    ranks = run_ranks(_master_switch_worker, 2)
+    cfg = ModelConfig.preset("tiny")
+    for name, kw in MASTER_SETTINGS.items():
+        torch.manual_seed(0)
+        one = fit(K3ForCausalLM(cfg), _batches(), _cfg(**BF16_WEIGHTS, **kw)).losses
+        assert ranks[0][name] == ranks[1][name], name
+        for a, b in zip(ranks[0][name], one):
+            assert abs(a - b) / abs(b) < BF16_GRADIENTS, (name, ranks[0][name], one)
+
+
+def _toy_bf16(seed=0):
+    """Parameters of several shapes, one with an uneven split over 2 ranks (5 rows: 3 + 2), in bf16."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.LayerNorm(5), torch.nn.Linear(5, 4, bias=False))
+    return model.to(torch.bfloat16)
+
+
+def _sharded(model, mesh):
+    """``model`` with every parameter replaced by its Shard(0) DTensor over ``mesh`` (FSDP2's layout)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    for module in model.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            setattr(module, name, torch.nn.Parameter(distribute_tensor(p.detach(), mesh, [Shard(0)])))
+    return model
+
+
+def _full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _shard_step_worker(rank, world, out_dir):
+    """The master-weight step on Shard(0) DTensors at 2 ranks against the same step on the whole tensors in
+    this process (the CPU: the kernel's plain-PyTorch reference), three steps with clipping active, then a DCP
+    save and a load into a fresh model and optimizer: whether each tensor is bit for bit equal."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from k3lab.optim import build_optimizer
+    from k3lab.parallel.checkpoint import load_distributed, save_distributed
+    from k3lab.parallel.fsdp import grad_norm
+    from k3lab.precision import MasterWeightOptimizer
+
+    mesh = init_device_mesh("cpu", (world,))
+    out = {}
+    for name, kw in MASTER_SETTINGS.items():
+        def build(model):
+            return MasterWeightOptimizer(model, build_optimizer(model, "adamw", lr=3e-2, weight_decay=0.1), **kw)
+
+        one, sharded = _toy_bf16(), _sharded(_toy_bf16(), mesh)
+        opt_one, opt_sharded = build(one), build(sharded)
+        same = []
+
+        def compare(tag, a_opt, a_model, b_opt, b_model):
+            same.append((tag, all(torch.equal(_full(p), _full(q)) for p, q in zip(a_model.parameters(),
+                                                                                  b_model.parameters()))
+                         and all(torch.equal(_full(w), _full(v)) for w, v in zip(a_opt.float32_masters(),
+                                                                                b_opt.float32_masters()))
+                         and all(torch.equal(_full(a_opt.state[w][k]), _full(b_opt.state[v][k]))
+                                 for w, v in zip(a_opt.masters, b_opt.masters) for k in ("exp_avg", "exp_avg_sq", "step"))))
+
+        for step in range(3):
+            gen = torch.Generator().manual_seed(step)
+            for p, q in zip(one.parameters(), sharded.parameters()):
+                p.grad = torch.randn(p.shape, generator=gen).to(torch.bfloat16)
+                q.grad = distribute_tensor(p.grad, mesh, [Shard(0)])
+            for group in (*opt_one.param_groups, *opt_sharded.param_groups):
+                group["lr"] = 3e-2 / (step + 1)
+            norms = [grad_norm(list(m.parameters()), set(), 1, g) for m, g in ((one, None), (sharded, mesh.get_group()))]
+            same.append((f"norm {step}", torch.equal(*norms)))
+            opt_one.clip_grad_norm_(0.5, norm=norms[0])
+            opt_sharded.clip_grad_norm_(0.5, norm=norms[1])
+            opt_one.step()
+            opt_sharded.step()
+            compare(f"step {step}", opt_one, one, opt_sharded, sharded)
+        save_distributed(out_dir, 3, sharded, opt_sharded, {})
+        fresh = _sharded(_toy_bf16(seed=1), mesh)
+        opt_fresh = build(fresh)
+        load_distributed(out_dir, fresh, opt_fresh)
+        compare("loaded", opt_sharded, sharded, opt_fresh, fresh)
+        out[name] = same
+    return out
+
+
+def test_master_step_on_local_shards_is_the_one_process_step(tmp_path):
+    """bf16 moments and split masters on FSDP2-style shards: the fused step is elementwise, so each rank stepping
+    its rows gives, bit for bit, the one-process step of the whole tensors (given the same global norm, itself
+    equal: float64 sums of bf16 squares); a DCP checkpoint restores weights, masters (split: p and lo), moments
+    and step counts bit for bit."""
+    for rank_out in run_ranks(_shard_step_worker, 2, str(tmp_path)):
+        for name, checks in rank_out.items():
+            assert all(ok for _, ok in checks), (name, [tag for tag, ok in checks if not ok])
+
+
+def _master_resume_worker(rank, world, out_dir):
+    cfg = ModelConfig.preset("tiny")
+    kw = dict(BF16_WEIGHTS, **MASTER_SETTINGS["both"], steps=4)
+    runs = {}
+    for name, stop_at, resume in (("full", None, False), ("half", 2, False), ("resumed", None, True)):
+        folder = os.path.join(out_dir, "full" if name == "full" else "half")
+        runs[name] = fit(lambda: K3ForCausalLM(cfg), _batches(), _cfg(**kw, out_dir=folder), stop_at=stop_at,
+                         resume_from=folder if resume else None, parallel=ParallelOptions()).losses
+    try:  # the same checkpoint under FSDP2 mixed precision (fp32 shards as the masters): another layout
+        fit(lambda: K3ForCausalLM(cfg), _batches(), _cfg(**BF16_WEIGHTS, steps=4),
+            resume_from=os.path.join(out_dir, "half"), parallel=ParallelOptions())
+        runs["other layout"] = "no error"
+    except ValueError as err:
+        runs["other layout"] = str(err)
+    return runs
+
+
+def test_resume_with_bf16_moments_and_split_masters_at_two_ranks(tmp_path):
+    """A 2-rank run with bf16 moments and split masters, stopped after 2 of 4 steps and resumed from its DCP
+    checkpoint, gives the uninterrupted run's losses bit for bit (steps 3 and 4 read the restored masters, moments
+    and step counts); resuming it with the fp32-moment layout is refused naming the fields."""
+    for runs in run_ranks(_master_resume_worker, 2, str(tmp_path)):
+        assert runs["half"] + runs["resumed"][2:] == runs["full"] and runs["resumed"] == runs["full"], runs
+        assert "TrainConfig.moment_dtype='float32', master_format='float32'" in runs["other layout"], runs
 
 
 def _refusal_worker(rank, world, kw):

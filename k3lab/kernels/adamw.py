@@ -48,17 +48,20 @@ NaN 0x7FC0 (as ``bf16_round_nearest_even`` makes them) and lo = 0: a NaN's paylo
 with a NaN ``p`` (its nearest high half, 0x8000, is −0). Integer operations only, so the interpreter gives
 the GPU's bits. Traffic: ``p`` is read too, ``lo`` replaces ``w``: 18 bytes a parameter with bf16 moments
 (20 with float32 masters), 26 with float32 moments (28).
+
+The plain-PyTorch reference of this step, element for element the same float32 operations, is
+:func:`k3lab.precision.master_adamw_reference_`; :class:`~k3lab.precision.MasterWeightOptimizer` runs it where
+this kernel does not (the CPU without the interpreter), e.g. on FSDP2's local shards in a gloo test.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import triton
 import triton.language as tl
 
 from k3lab.kernels.rounding import DTYPES, bf16_round_nearest_even
+from k3lab.precision import adamw_scalars  # noqa: F401 (the step's scalars, defined with the reference; re-exported)
 
 Tensor = torch.Tensor
 BLOCK = 2048  # elements per program (8 per thread at 8 warps)
@@ -194,14 +197,6 @@ def _block_table(device: torch.device, numels: tuple[int, ...]) -> tuple[Tensor,
         _block_tables[key] = (torch.tensor(numels, dtype=torch.int64).to(device), tensor_of.to(device),
                               start.to(device))
     return _block_tables[key]
-
-
-def adamw_scalars(lr: float, beta1: float, beta2: float, weight_decay: float, step: int) -> tuple[float, float, float]:
-    """The step's three scalars as the kernel reads them (its ``hyper [3]``): ``(1 − lr·λ, lr / (1 − β1ᵗ),
-    √(1 − β2ᵗ))``, in double on the host (rounded to float32 once, when written to the device)."""
-    if step < 1:
-        raise ValueError(f"step={step}: AdamW steps count from 1")
-    return 1.0 - lr * weight_decay, lr / (1.0 - beta1 ** step), math.sqrt(1.0 - beta2 ** step)
 
 
 class AdamWLaunch:

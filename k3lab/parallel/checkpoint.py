@@ -95,6 +95,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict, set_state_dict)
 from torch.distributed.tensor import DTensor
 
+from k3lab.precision import MasterWeightOptimizer
 from k3lab.checkpoint import (LATEST, json_value, plain_config, prune_checkpoints, rng_state, set_rng_state,
                               check_model_config, check_state_fields, file_inside, read_latest, read_state,
                               write_latest)
@@ -196,10 +197,39 @@ def _tensor_keys(obj) -> set[str]:
 
 def _states(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict, dict | None]:
     """FQN-keyed (model, optimizer) state dicts; optimizer None gives None. Note: on an optimizer
-    with no state yet, ``get_state_dict`` first builds it with a zero-gradient, lr=0 step."""
+    with no state yet, ``get_state_dict`` first builds it with a zero-gradient, lr=0 step; a
+    :class:`~k3lab.precision.MasterWeightOptimizer` gets zero state (step 0) where it has none (its ``init_state``)."""
     if optimizer is None:
         return get_model_state_dict(model), None
+    if isinstance(optimizer, MasterWeightOptimizer):  # every parameter's state, zero where it has not stepped (a
+        optimizer.init_state()  # step-0 state steps as none does), so a save and a load see the same tensors
+        return get_model_state_dict(model), _master_state_by_fqn(model, optimizer)
     return get_state_dict(model, optimizer)
+
+
+def _master_state_by_fqn(model: nn.Module, optimizer: MasterWeightOptimizer) -> dict:
+    """A master-weight optimizer's ``state_dict()`` (each parameter's AdamW state plus its fp32 master under
+    ``MASTER_KEY``; DTensors where the parameters are FSDP2 shards) keyed by the parameters' FQNs, as
+    ``get_state_dict`` keys a torch optimizer's: ``{"state": {fqn: {...}}, "param_groups": [{..., "params": [fqn]}]}``."""
+    fqn = {id(p): name for name, p in model.named_parameters()}
+    order = [fqn[id(optimizer.param_of(w))] for g in optimizer.param_groups for w in g["params"]]
+    sd = optimizer.state_dict()
+    groups, start = [], 0
+    for g in sd["param_groups"]:
+        groups.append({**g, "params": order[start:start + len(g["params"])]})
+        start += len(g["params"])
+    return {"state": {order[i]: s for i, s in sd["state"].items()}, "param_groups": groups}
+
+
+def _load_master_state(optimizer: MasterWeightOptimizer, osd: dict) -> None:
+    """:func:`_master_state_by_fqn`'s inverse: the FQN-keyed state back into ``optimizer`` (index-keyed)."""
+    order = [fqn for g in osd["param_groups"] for fqn in g["params"]]
+    index = {fqn: i for i, fqn in enumerate(order)}
+    groups, start = [], 0
+    for g in osd["param_groups"]:
+        groups.append({**g, "params": list(range(start, start + len(g["params"])))})
+        start += len(g["params"])
+    optimizer.load_state_dict({"state": {index[k]: v for k, v in osd["state"].items()}, "param_groups": groups})
 
 
 def _check_replicated(tensors: dict, group) -> None:
@@ -478,6 +508,9 @@ def load_distributed(path, model: nn.Module, optimizer: torch.optim.Optimizer | 
     model_sd = _join(structure["model"], targets)
     if optimizer is None:
         set_model_state_dict(model, model_sd)
+    elif isinstance(optimizer, MasterWeightOptimizer):  # the weights, then the masters (split: p and lo) and moments
+        set_model_state_dict(model, model_sd)
+        _load_master_state(optimizer, _join(structure["optim"], targets))
     else:
         # strict=False: optimizer state the saved run never built stays absent (the model's keys
         # were checked above); newer torch refuses that otherwise

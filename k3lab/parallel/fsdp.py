@@ -42,17 +42,24 @@ def sublayers(model: nn.Module) -> list[nn.Module]:
 
 
 def apply_fsdp(model: nn.Module, mesh, expert_params: set[nn.Parameter], param_dtype: torch.dtype | None = None,
-               reshard_after_forward: bool = True) -> nn.Module:
+               reshard_after_forward: bool = True, reduce_dtype: torch.dtype | None = None) -> nn.Module:
     """``fully_shard`` each sublayer, then the root, on the flat 1-D mesh over dp_shard·cp.
 
-    ``param_dtype``: FSDP2 mixed precision (e.g. bf16 compute, fp32 gradient reduction); None keeps fp32.
+    ``param_dtype``: FSDP2 mixed precision (e.g. bf16 compute from the parameters' own fp32 shards); None: the
+    parameters' own dtype. ``reduce_dtype``: the dtype gradients are reduce-scattered in (then cast to the
+    parameters' dtype); None: float32 with a ``param_dtype``, else the gradients' own. bf16 parameters kept bf16
+    (``TrainConfig.moment_dtype="bfloat16"`` / ``master_format="split"``: their masters on the local shards) take
+    ``param_dtype=None, reduce_dtype=torch.float32``: the ranks' bf16 partial gradients summed in float32, the sum
+    rounded to bf16 once.
     """
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     if mesh.ndim != 1:
         raise ValueError(f"apply_fsdp: mesh must be 1-D (a 2-D mesh means HSDP), got {mesh.ndim} axes")
     ignored = ignored_parameters(model, expert_params)
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
+    if reduce_dtype is None and param_dtype is not None:
+        reduce_dtype = torch.float32
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     kw = dict(mesh=mesh, mp_policy=mp)
     for module in sublayers(model):
         own = {p for p in module.parameters() if p in ignored}
@@ -71,23 +78,22 @@ def apply_fsdp(model: nn.Module, mesh, expert_params: set[nn.Parameter], param_d
 
 @torch.no_grad()
 def sum_expert_grads_(expert_params: list[nn.Parameter], group) -> None:
-    """Σ the EP expert-slice gradients over the ranks holding the same slice (one flat all-reduce)."""
+    """Σ the EP expert-slice gradients over the ranks holding the same slice (one flat all-reduce, in float32:
+    bf16 gradients are summed as FSDP2 reduces them, rounded to bf16 once)."""
     grads = [p.grad for p in expert_params if p.grad is not None]
     if group is None or not grads:
         return
-    flat = torch.cat([g.reshape(-1) for g in grads])
+    flat = torch.cat([g.reshape(-1).float() for g in grads])
     dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
     for g, piece in zip(grads, flat.split([g.numel() for g in grads])):
         g.copy_(piece.view_as(g))
 
 
 @torch.no_grad()
-def clip_grad_norm_(params: list[nn.Parameter], max_norm: float, expert_params: set[nn.Parameter],
-                    replicas: int, group) -> torch.Tensor:
+def grad_norm(params: list[nn.Parameter], expert_params: set[nn.Parameter], replicas: int, group) -> torch.Tensor:
     """Global gradient 2-norm over FSDP shards and EP slices (a 0-d float64 tensor on the gradients' device,
-    not read back: the caller's one host sync reads it); scale every gradient by
-    ``min(1, max_norm/(norm + 1e-6))`` (torch's rule). An FSDP shard counts once over all ranks; an
-    expert slice is held by ``replicas`` ranks, so its square is divided by that."""
+    not read back: the caller's one host sync reads it). An FSDP shard counts once over all ranks; an expert
+    slice is held by ``replicas`` ranks, so its square is divided by that."""
     grads = [(p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad, p in expert_params)
              for p in params if p.grad is not None]
     device = grads[0][0].device if grads else torch.device("cpu")
@@ -97,10 +103,18 @@ def clip_grad_norm_(params: list[nn.Parameter], max_norm: float, expert_params: 
         total += sq / replicas if expert else sq
     if group is not None:
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
-    norm = total.sqrt()
+    return total.sqrt()
+
+
+@torch.no_grad()
+def clip_grad_norm_(params: list[nn.Parameter], max_norm: float, expert_params: set[nn.Parameter],
+                    replicas: int, group) -> torch.Tensor:
+    """:func:`grad_norm`, and every gradient scaled by ``min(1, max_norm/(norm + 1e-6))`` (torch's rule)."""
+    norm = grad_norm(params, expert_params, replicas, group)
+    grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in params if p.grad is not None]
     if grads and max_norm and max_norm < math.inf:
         # no clip when the norm is not finite: the caller stops the run before the update
         coef = torch.where(norm.isfinite(), (max_norm / (norm + 1e-6)).clamp(max=1.0), torch.ones_like(norm))
-        for g, _ in grads:
+        for g in grads:
             g.mul_(coef.to(g.dtype))
     return norm

@@ -10,7 +10,9 @@ The order is fixed (each step needs the previous one's layout; torchtitan's orde
     compile    TrainConfig.compile (k3lab.compile): each mixer and MLP compiled, before sharding
     FSDP       fully_shard each sublayer and the root on the flat dp_shard·cp mesh (fsdp.py), with
                FSDP2's MixedPrecisionPolicy for TrainConfig.param_dtype="bfloat16" (bf16 compute,
-               the fp32 sharded parameters as the masters, fp32 gradient reduction)
+               the fp32 sharded parameters as the masters, fp32 gradient reduction); with
+               moment_dtype="bfloat16" or master_format="split" the parameters are bf16 shards
+               and the masters the optimizer's, on the local shards (k3lab.train)
 
 plus the per-step glue a parallel run needs: the balancers' statistics all-reduced over all ranks
 (so every rank moves the router bias exactly as one process would), QK-Clip's max logits
@@ -108,11 +110,13 @@ def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
 
 def parallelize(model: nn.Module, groups: ParallelGroups, device: torch.device, *, ep_kind: str = "moonep",
                 cp_layout: str = "contiguous", recompute: str = "none", recompute_layers: int | None = None,
-                compile: str = "none", param_dtype: torch.dtype | None = None) -> tuple[nn.Module, set[nn.Parameter]]:
+                compile: str = "none", param_dtype: torch.dtype | None = None,
+                reduce_dtype: torch.dtype | None = None) -> tuple[nn.Module, set[nn.Parameter]]:
     """EP -> CP -> recompute -> compile -> FSDP on ``model`` (in place); returns ``(model, EP expert
     parameters)`` (a meta model's ``to_empty`` replaces those Parameter objects: collect them again after it).
     ``recompute``/``recompute_layers``/``compile`` as in :class:`k3lab.train.TrainConfig`; ``param_dtype``:
-    FSDP2's compute dtype (bf16 with fp32 masters and fp32 gradient reduction; None: the parameters' own).
+    FSDP2's compute dtype (bf16 with fp32 masters and fp32 gradient reduction; None: the parameters' own);
+    ``reduce_dtype``: FSDP2's gradient-reduction dtype (:func:`k3lab.parallel.fsdp.apply_fsdp`).
 
     World size 1 without a process group: the model is only moved (recompute and compile applied)."""
     dims = groups.dims
@@ -138,7 +142,7 @@ def parallelize(model: nn.Module, groups: ParallelGroups, device: torch.device, 
             if isinstance(m, LatentMoE):
                 m.balancer.all_reduce = functools.partial(dist.all_reduce, group=groups.world)
                 m.balancer.all_gather = functools.partial(_gather, group=groups.world)
-        apply_fsdp(model, groups.mesh, experts, param_dtype=param_dtype)
+        apply_fsdp(model, groups.mesh, experts, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     return model, experts
 
 
