@@ -148,7 +148,9 @@ class K3Model(nn.Module):
             raise ValueError(f"cache has {len(cache.layers)} layer entries, the model has {len(self.layers)} layers")
         mix_fn = self.attn_res_fn if torch.is_grad_enabled() else None  # compiled for training; eager for no-grad calls
         # backend "triton" (and "auto" on CUDA): the depth mixes by k3lab's fused kernels, where they apply
-        fused_mix = attn_res_normed_triton if resolve_backend(self.config.backend, input_ids.device) == "triton" else None
+        # (not inside torch.compile: inductor fuses the torch mix with its neighbours instead, e.g. a compiled decode step)
+        fused = resolve_backend(self.config.backend, input_ids.device) == "triton" and not torch.compiler.is_compiling()
+        fused_mix = attn_res_normed_triton if fused else None
         stream = residual_stream(self.config.residual, self.embed_tokens(input_ids),
                                  self.attn_res_sublayers_per_block, self.attn_res_recorder,
                                  self.recompute_residual_mix, mix_fn, fused_mix)

@@ -375,9 +375,12 @@ def k3lab_decode_row(model, name: str, decoder: str, B: int, context: int, new: 
         row["first_call_s"] = time.perf_counter() - t0
         st = GenerationStats()
         if decoder == "eager":
-            list(decode(model, pre, new, stats=st))
+            tokens = [[] for _ in range(B)]
+            for r, t in decode(model, pre, new, stats=st):
+                tokens[r].append(t)
         else:
-            dec.decode(pre, new, stats=st)
+            tokens = dec.decode(pre, new, stats=st)
+    row["first_tokens"] = tokens[0][:16]  # row 0's first 16 greedy tokens: decoders compared in the table
     row["tokens_per_s_row"] = (new - 1) / st.decode_s  # the first token comes from the prefill's logits
     row["tokens_per_s"] = row["tokens_per_s_row"] * B
     row["ms_per_step"] = 1e3 * st.decode_s / (new - 1)

@@ -30,6 +30,7 @@ def main(argv=None) -> int:
     ap.add_argument("--contexts", type=int, nargs="+", default=[4096])
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--top", type=int, default=18)
+    ap.add_argument("--compile", action="store_true", help="the step compiled (StaticDecoder(compile=True))")
     args = ap.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench_infer import tiled_prefill  # the benchmark's synthetic cache
@@ -38,14 +39,15 @@ def main(argv=None) -> int:
     model = K3ForCausalLM(ModelConfig.preset(args.preset)).to("cuda", torch.bfloat16).eval()
     from k3lab.infer.static import StaticDecoder
 
-    dec = StaticDecoder(model)
+    dec = StaticDecoder(model, compile=args.compile)
     for context in args.contexts:
         for B in args.batches:
             with torch.no_grad():
                 pre = tiled_prefill(model, B, context)
                 buf = allocate(pre, B, context + 256, args.steps + 4, torch.tensor([], dtype=torch.long))
                 load(buf, pre, torch.arange(B))
-                dec.step(buf, 0.0, None, None, 0)  # warm-up
+                dec.step(buf, 0.0, None, None, 0)  # warm-up (and compilation)
+                dec.step(buf, 0.0, None, None, 0)
                 torch.cuda.synchronize()
                 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                     for _ in range(args.steps):
@@ -58,7 +60,7 @@ def main(argv=None) -> int:
                     per[e.name][1] += e.device_time
             calls = sum(c for c, _ in per.values()) / args.steps
             gpu_us = sum(t for _, t in per.values()) / args.steps
-            print(f"\n## {args.preset} B={B} context={context}: {calls:.0f} kernels/step, {gpu_us / 1e3:.3f} ms GPU/step")
+            print(f"\n## {args.preset}{' compiled' if args.compile else ''} B={B} context={context}: {calls:.0f} kernels/step, {gpu_us / 1e3:.3f} ms GPU/step")
             for name, (c, t) in sorted(per.items(), key=lambda kv: -kv[1][1])[:args.top]:
                 print(f"{t / args.steps:9.1f} us  {c / args.steps:6.1f}x  {name[:110]}")
     return 0
