@@ -380,3 +380,16 @@ def test_triton_backend_refuses_unbounded_gate():
     layer = KDA(tiny_cfg(backend="triton", kda_gate="kimi_linear"), 0).cuda()
     with pytest.raises(ValueError, match="bounded gate"):
         layer(torch.zeros(1, 4, layer.cfg.hidden_size, device="cuda"))
+
+
+def test_auto_backend_picks_a_path_that_takes_the_gate():
+    from k3lab.mixers.kda import kda_backend
+
+    # CUDA + K3's bounded gate: our Triton kernels; an unbounded (Kimi Linear) gate: fla where installed, else torch
+    assert kda_backend("auto", "cuda", True, lambda: True) == "triton"
+    assert kda_backend("auto", "cuda", False, lambda: True) == "fla"
+    assert kda_backend("auto", "cuda", False, lambda: False) == "torch"
+    assert kda_backend("auto", "cpu", False, lambda: True) == "torch"
+    assert kda_backend("triton", "cuda", False, lambda: True) == "triton"  # explicit: kept, and refused by the layer
+    with pytest.raises(ValueError, match=r"backend='fast': allowed values are"):
+        kda_backend("fast", "cpu", True)

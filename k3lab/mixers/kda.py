@@ -56,6 +56,26 @@ class KDACache:
 
 
 
+def fla_available() -> bool:
+    """Whether fla's KDA ops import (flash-linear-attention is installed)."""
+    try:
+        import fla.ops.kda  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def kda_backend(backend: str, device, bounded_gate: bool, fla_importable=fla_available) -> str:
+    """The backend a KDA layer runs on: :func:`k3lab.backend.resolve_backend`, except that ``"auto"`` on CUDA with
+    a gate our Triton kernels do not take (Kimi Linear's unbounded gate, or K3's with a lower bound below −5)
+    picks fla where it is installed and the torch reference otherwise — "auto" means the fastest path that
+    runs this layer. An explicit ``"triton"`` is not changed (it fails with a message naming the alternatives)."""
+    resolved = resolve_backend(backend, device)
+    if backend == "auto" and resolved == "triton" and not bounded_gate:
+        return "fla" if fla_importable() else "torch"
+    return resolved
+
+
 class StaticKDACache(KDACache):
     """A :class:`KDACache` that a forward updates in place (graphed decoding, :mod:`k3lab.infer.static`): the new
     state and tails are written into these tensors and the same cache is returned — the fixed addresses a
@@ -303,8 +323,8 @@ class KDA(nn.Module):
         return o, state
 
     def mix_backend(self, q, k, v, g, beta, initial_state, out_state=None):
-        """:meth:`mix` on the backend ``cfg.backend`` resolves to (``out_state`` is written only by our decode kernel)."""
-        backend = resolve_backend(self.cfg.backend, q.device)
+        """:meth:`mix` on the backend :func:`kda_backend` picks (``out_state`` is written only by our decode kernel)."""
+        backend = kda_backend(self.cfg.backend, q.device, self.bounded_gate)
         decode = q.shape[1] == 1
         if self.kernel_recompute and backend != "triton" and torch.is_grad_enabled():
             raise ValueError(f"recompute='selective' recomputes the KDA op in our Triton kernels: it needs "
