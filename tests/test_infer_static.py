@@ -164,3 +164,13 @@ def test_latent_attention_lowp_matches_fp32_gpu():
     q = torch.cat([q_lat, q_rope], -1).transpose(1, 2)
     want, _ = attention_math(q, torch.cat([c_kv, k_rope], -1)[:, None].float(), c_kv[:, None].float(), 0.1, S - 1, mask)
     assert rel_err(got, want) < 1e-2  # bf16 q and p: bf16 tolerance
+
+
+def test_decoder_keeps_at_most_max_kept_buffer_sets(model):
+    from k3lab.infer.static import MAX_KEPT
+
+    dec = StaticDecoder(model)
+    for n in range(MAX_KEPT + 2):  # a different number of new tokens each call: a new key each time
+        dec.decode(prefill(model, prompts([4])), 3 + n)
+    assert len(dec.kept) == MAX_KEPT
+    assert max(k[2] for k in dec.kept) == 3 + MAX_KEPT + 1  # the newest stays

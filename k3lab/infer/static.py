@@ -58,6 +58,7 @@ DECODERS = ("eager", "static", "graph")  # generate(decoder=...): functional cac
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # a graph is captured per bucket; larger batches: their own size
 LENGTH_BUCKET = 256  # cache slots are allocated in multiples of this
 CHECK_EVERY = 16  # decode steps between the host's reads of the done flags
+MAX_KEPT = 4  # buffer sets (and graphs) a decoder keeps; the least recently used goes first
 COMPILE_GRAPHED = False  # generate(decoder="graph") compiles the step first (torch.compile; measured in bench_infer)
 WARMUP_STEPS = 1  # eager steps before the capture (Triton compiles, libraries initialise there)
 
@@ -157,7 +158,9 @@ class StaticDecoder:
     """Batched decoding on preallocated caches for one model; ``graph=True`` replays each step as a CUDA graph.
 
     ``decode(pre, max_new_tokens, ...)`` -> per row the list of new tokens (stop token kept, nothing after).
-    Graphs and buffers are kept per (batch bucket, slots, new-token width, sampling, stop set) and reused.
+    Graphs and buffers are kept per (batch bucket, slots, new-token width, sampling, stop set) and reused; at most
+    :data:`MAX_KEPT` of them (least recently used dropped). A capture that fails raises RuntimeError naming
+    ``decoder='static'`` as the way round.
     """
 
     def __init__(self, model, graph: bool = False, compile: bool = False):
@@ -196,8 +199,13 @@ class StaticDecoder:
                 self.step(buf, *args)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self.step(buf, *args)
+        try:
+            with torch.cuda.graph(graph):
+                self.step(buf, *args)
+        except Exception as err:  # an op that reads back to the host, or one CUDA graphs do not take
+            raise RuntimeError(f"decoder='graph': capturing the decode step failed ({type(err).__name__}: "
+                               f"{str(err).splitlines()[0] if str(err) else ''}); use decoder='static' (the same "
+                               "step without the graph) or 'eager'") from err
         self.captures += 1
         return graph
 
@@ -225,8 +233,11 @@ class StaticDecoder:
             synchronize(device)
             t0 = time.perf_counter()
             if key not in self.kept:
+                while len(self.kept) >= MAX_KEPT:  # drop the least recently used buffers and graph
+                    self.kept.pop(next(iter(self.kept)))
                 self.kept[key] = (allocate(pre, rows, slots, max_new_tokens, stop_ids), None)
-            buf, graph = self.kept[key]
+            buf, graph = self.kept.pop(key)
+            self.kept[key] = (buf, graph)  # most recently used last
             load(buf, pre, seeds)
             logits0 = torch.cat([pre.logits, pre.logits[:1].expand(rows - B, -1)]) if rows > B else pre.logits
             self.record(buf, logits0.float(), temperature, top_k, top_p, pad)  # token 0, from the prefill
