@@ -5,7 +5,9 @@ Tiny random-init ``KimiLinearForCausalLM`` models are built here (never download
 must give transformers' logits to 1e-5 relative in fp32; k3lab writes Kimi-Linear-shaped models that
 ``AutoModelForCausalLM.from_pretrained`` loads with no missing or unexpected key, to the same logits. A
 mismatch names the first sublayer where the two models part (:mod:`k3lab.hf.compare`). Planted faults
-(wrong gate, a missing, extra or wrongly shaped tensor, mixed or unknown config fields) are loud.
+(wrong gate, a missing, extra or wrongly shaped tensor, mixed or unknown config fields) are loud. Both of
+transformers' save formats are read and written: the original (``save_pretrained``'s default) and the internal
+one (``save_original_format=False``: fused ``conv1d`` and ``experts.gate_up_proj``, split exactly on load).
 """
 import json
 import warnings
@@ -232,6 +234,109 @@ def test_planted_tensor_faults_are_named(saved, fault, match, tmp_path):
     save_file(stored, str(bad / SINGLE_FILE), metadata={"format": "pt"})
     with pytest.raises(ValueError, match=match):
         load_hf_checkpoint(bad, progress=False)
+
+
+# ----------------------------------------------------------------------------------------------
+# transformers' internal format: save_pretrained(save_original_format=False)
+# ----------------------------------------------------------------------------------------------
+INTERNAL = dict(save_original_format=False)
+FUSED = {  # layer 1 (KDA + MoE) in the internal format: fused name -> shape for TINY (H·K = 16, W = 4, E = 4, I = 16)
+    "model.layers.1.self_attn.conv1d.weight": [48, 1, 4],                       # q, k, v convs on axis 0
+    "model.layers.1.mlp.experts.gate_up_proj": [4, 32, 32],                     # gate w1, up w3 on axis 1
+    "model.layers.1.mlp.experts.down_proj": [4, 32, 16],
+    "model.layers.1.self_attn.forget_gate.A_log": [1, 1, 2, 1],
+}
+
+
+@pytest.mark.parametrize("q_lora_rank", [None, 24], ids=["q_proj", "q_lora"])
+def test_internal_format_reads_to_the_same_logits(q_lora_rank, tmp_path):
+    theirs = transformers_model(q_lora_rank, seed=4)
+    internal, original = save(theirs, tmp_path / "internal", **INTERNAL), save(theirs, tmp_path / "original")
+    stored = tensors(internal)
+    assert {k: list(stored[k].shape) for k in FUSED} == FUSED
+    assert not [k for k in stored if "block_sparse_moe" in k or "_conv1d" in k]
+    loaded = load_hf_checkpoint(internal, dtype=torch.float32, progress=False)
+    assert loaded.kimi_linear_format == "internal"
+    assert load_hf_checkpoint(original, dtype=torch.float32, progress=False).kimi_linear_format == "original"
+    ours = loaded.model
+    assert not [n for n, p in ours.named_parameters() if p.is_meta]
+    # split exactly: the same parameters as from the original format, bit for bit
+    again = load_hf_checkpoint(original, dtype=torch.float32, progress=False).model.state_dict()
+    assert all(torch.equal(v, again[k]) for k, v in ours.state_dict().items())
+    assert_same_logits(ours, theirs)
+
+
+def test_internal_format_sharded_bf16_and_a_slice(tmp_path):
+    theirs = transformers_model(None, seed=5).to(torch.bfloat16)
+    path = save(theirs, tmp_path / "kl", max_shard_size="20KB", **INTERNAL)
+    whole = load_hf_checkpoint(path, dtype=torch.float32, progress=False)
+    experts = theirs.model.layers[3].mlp.experts
+    w = whole.model.model.layers[3].block_sparse_moe.experts
+    assert torch.equal(torch.cat([w.w1, w.w3], dim=1), experts.gate_up_proj.float())
+    part = load_hf_checkpoint(path, layers=[3], embeddings=False, head=False, dtype=torch.float32, progress=False)
+    assert part.loaded == sorted(n for n in whole.loaded if n.startswith("model.layers.3."))
+    assert all(torch.equal(p, whole.model.get_parameter(n)) for n, p in part.model.named_parameters() if not p.is_meta)
+    assert_same_logits(whole.model, load_transformers(path))
+
+
+@pytest.mark.parametrize("fault, match", [
+    ("conv_shape", r"model.layers.1.self_attn.conv1d.weight has shape \[40, 1, 4\], expected \[48, 1, 4\] "
+                   r"\(the q, k, v short convs \[16, 1, 4\] concatenated on axis 0"),
+    ("gate_up_shape", r"model.layers.1.mlp.experts.gate_up_proj has shape \[4, 30, 32\], expected \[4, 32, 32\] "
+                      r"\(the experts' gate w1 and up w3 \[4, 16, 32\] concatenated on axis 1"),
+    ("missing", r"no tensor model.layers.3.mlp.experts.gate_up_proj \(k3lab needs it for "
+                r"model.layers.3.block_sparse_moe.experts.w1"),
+    ("mixed", r"model.layers.0.self_attn.conv1d.weight is transformers' internal Kimi Linear format "
+              r"\(save_original_format=False\) and model.layers.3.self_attn.k_conv1d.weight its original format"),
+])
+def test_internal_format_faults_are_named(fault, match, tmp_path):
+    path = save(transformers_model(None, seed=3), tmp_path / "kl", **INTERNAL)
+    stored = tensors(path)
+    conv, gate_up = "model.layers.1.self_attn.conv1d.weight", "model.layers.1.mlp.experts.gate_up_proj"
+    if fault == "conv_shape":
+        stored[conv] = stored[conv][:40].clone()                                 # [40, 1, 4]: 8 channels short
+    elif fault == "gate_up_shape":
+        stored[gate_up] = stored[gate_up][:, :30].clone()                        # [4, 30, 32]: 2 up rows short
+    elif fault == "missing":
+        del stored["model.layers.3.mlp.experts.gate_up_proj"]
+    else:  # layer 3's fused conv split back into the original format's three
+        q, k, v = stored.pop("model.layers.3.self_attn.conv1d.weight").chunk(3)
+        stored.update({f"model.layers.3.self_attn.{n}_conv1d.weight": t.clone() for n, t in zip("qkv", (q, k, v))})
+    save_file(stored, str(path / SINGLE_FILE), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=match) as err:
+        load_hf_checkpoint(path, progress=False)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("fmt", ["original", "internal"])
+def test_k3lab_writes_either_format(fmt, tmp_path):
+    ours = k3lab_model(24, seed=6)
+    path = save_hf_checkpoint(ours, tmp_path / "ours", dtype=torch.float32, progress=False, kimi_linear_format=fmt)
+    theirs = load_transformers(path)  # no missing, unexpected or mismatched key
+    assert_same_logits(ours, theirs)
+    # the names and shapes transformers writes in that format for the same model
+    again = tensors(save(theirs, tmp_path / "theirs", save_original_format=fmt == "original"))
+    written = {k: list(v.shape) for k, v in tensors_of(path).items()}
+    assert written == {k: list(v.shape) for k, v in again.items()}
+    back = load_hf_checkpoint(path, dtype=torch.float32, progress=False)
+    assert back.kimi_linear_format == fmt
+    assert all(torch.equal(v, back.model.state_dict()[k]) for k, v in ours.state_dict().items())
+
+
+def test_writer_format_is_checked(tmp_path):
+    ours = k3lab_model(None)
+    with pytest.raises(ValueError, match=r"kimi_linear_format='fused': allowed values are \('original', 'internal'\)"):
+        save_hf_checkpoint(ours, tmp_path / "x", kimi_linear_format="fused", progress=False)
+    with pytest.raises(ValueError, match=r"kimi_linear_format='internal': only the Kimi Linear layout"):
+        save_hf_checkpoint(K3ForCausalLM(ModelConfig.preset("tiny")), tmp_path / "y", kimi_linear_format="internal",
+                           progress=False)
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def tensors_of(path: Path) -> dict:
+    """Every tensor of a sharded checkpoint folder (the writer's index)."""
+    shards = set(json.loads((path / INDEX_FILE).read_text())["weight_map"].values())
+    return {k: v for s in shards for k, v in load_file(str(path / s)).items()}
 
 
 # ----------------------------------------------------------------------------------------------

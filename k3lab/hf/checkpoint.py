@@ -8,7 +8,12 @@ when reading and by the model's config (:func:`k3lab.hf.config.config_family`) w
   names with no prefix, routed experts per expert as in K3, ``self_attn.A_log`` stored ``[1, 1, H, 1]``, and
   the dense first layer's MLP stored as ``mlp.*`` or ``block_sparse_moe.*`` (transformers writes the second,
   k3lab's writer too). Written with transformers' ``config.json`` (``model_type`` "kimi_linear"), so that
-  ``AutoModelForCausalLM.from_pretrained`` loads it with no missing or unexpected key.
+  ``AutoModelForCausalLM.from_pretrained`` loads it with no missing or unexpected key. That is transformers'
+  "original" format (``save_pretrained``'s default); its "internal" one (``save_original_format=False``: the
+  names of its modules) fuses the short convs into ``self_attn.conv1d.weight [3·H·K, 1, W]`` and the experts
+  into ``mlp.experts.gate_up_proj [E, 2·I, D]`` / ``down_proj [E, D, I]``, puts the decay parameters under
+  ``self_attn.forget_gate.`` and the MoE under ``mlp.`` (:func:`internal_part`). Both are read (the format
+  decided by the names present, :func:`detect_kimi_linear_format`) and written (``kimi_linear_format``).
 
 The K3 release's layout:
 
@@ -77,6 +82,64 @@ HEAD_PREFIXES = ("lm_head.", "model.norm.", "model.output_attn_res_", "mtp.")  #
 EMBED_PREFIX = "model.embed_tokens."
 DENSE_MLP = re.compile(r"^(?P<layer>model\.layers\.\d+)\.mlp\.(?P<rest>.*)$")  # k3lab's dense MLP (first layers)
 KIMI_LINEAR_DENSE = "block_sparse_moe"  # where transformers' save_pretrained puts the dense MLP (its reverse rename)
+# transformers' two Kimi Linear formats: save_pretrained(save_original_format=True) (its default) / =False
+KIMI_LINEAR_FORMATS = ("original", "internal")
+# names only one of the two formats has (a checkpoint holding both kinds is refused)
+ORIGINAL_ONLY = re.compile(r"\.self_attn\.([qkv]_conv1d\.weight|f_[ab]_proj\.weight|dt_bias|A_log)$"
+                           r"|\.block_sparse_moe\.|\.experts\.\d+\.w[123]\.")
+INTERNAL_ONLY = re.compile(r"\.self_attn\.(conv1d\.weight|forget_gate\.)|\.mlp\.(experts|gate|shared_experts)\.")
+INTERNAL_CONV = re.compile(r"^(?P<attn>.*\.self_attn)\.(?P<qkv>[qkv])_conv1d\.weight$")
+INTERNAL_FORGET = re.compile(r"^(?P<attn>.*\.self_attn)\.(?P<rest>f_a_proj\.weight|f_b_proj\.weight|dt_bias|A_log)$")
+INTERNAL_MOE = re.compile(r"^(?P<layer>.*)\.block_sparse_moe\.(?P<rest>.*)$")
+
+
+@dataclass(frozen=True)
+class Part:
+    """Where a k3lab parameter is stored: all of tensor ``stored``, or (``fused_shape`` given) the ``length``
+    entries from ``start`` along ``axis`` of a fused tensor of that shape."""
+
+    stored: str
+    fused_shape: tuple[int, ...] | None = None
+    axis: int = 0
+    start: int = 0
+    length: int = 0
+    what: str = ""  # how the fused tensor is built, for errors
+
+
+def internal_part(name: str, shape: tuple[int, ...]) -> Part:
+    """Where k3lab parameter ``name`` of ``shape`` lies in transformers' internal Kimi Linear format
+    (``save_pretrained(save_original_format=False)``; names without prefix)."""
+    m = INTERNAL_CONV.match(name)
+    if m is not None:  # q, k, v short convs [H·K, 1, W] -> conv1d [3·H·K, 1, W]
+        n = shape[0]
+        return Part(f"{m['attn']}.conv1d.weight", (3 * n, *shape[1:]), 0, "qkv".index(m["qkv"]) * n, n,
+                    f"the q, k, v short convs {list(shape)} concatenated on axis 0")
+    m = INTERNAL_FORGET.match(name)
+    if m is not None:
+        return Part(f"{m['attn']}.forget_gate.{m['rest']}")
+    m = INTERNAL_MOE.match(name)
+    if m is None:
+        return Part(name)
+    if m["rest"] in ("experts.w1", "experts.w3"):  # gate w1, up w3 [E, I, D] -> gate_up_proj [E, 2·I, D]
+        E, I, D = shape
+        return Part(f"{m['layer']}.mlp.experts.gate_up_proj", (E, 2 * I, D), 1, 0 if m["rest"] == "experts.w1" else I,
+                    I, f"the experts' gate w1 and up w3 {list(shape)} concatenated on axis 1")
+    if m["rest"] == "experts.w2":  # [E, D, I], as k3lab stacks it
+        return Part(f"{m['layer']}.mlp.experts.down_proj")
+    return Part(f"{m['layer']}.mlp.{m['rest']}")
+
+
+def detect_kimi_linear_format(names, source: str) -> str:
+    """"original" or "internal": which of transformers' Kimi Linear formats the stored ``names`` are in, from
+    the names only one of them has; a checkpoint holding names of both is a ValueError naming one of each. With
+    none of those names (no KDA layer, no MoE) the two formats read the same and "original" is returned."""
+    names = sorted(names)
+    original = next((n for n in names if ORIGINAL_ONLY.search(n)), None)
+    internal = next((n for n in names if INTERNAL_ONLY.search(n)), None)
+    if original is not None and internal is not None:
+        raise ValueError(f"{source}: {internal} is transformers' internal Kimi Linear format "
+                         f"(save_original_format=False) and {original} its original format; a checkpoint must use one")
+    return "internal" if internal is not None else "original"
 
 
 def stored_name(name: str, family: str, prefix: str = "") -> str:
@@ -135,16 +198,41 @@ def _expert_unit(hf_base: str, weight: Tensor, dtype: torch.dtype, quantize: boo
 
 
 def _plan(model: K3ForCausalLM, dtype: torch.dtype | None, quantize: bool, a_log_padded_to: int | None,
-          prefix: str, layers: set[int] | None = None, family: str = "k3") -> list[_Unit]:
+          prefix: str, layers: set[int] | None = None, family: str = "k3",
+          kimi_linear_format: str = "original") -> list[_Unit]:
     """The units to write, in state-dict order (``layers``: only those decoder layers, for inspection)."""
     cfg = model.config
+    state = model.state_dict()
+    internal = family == "kimi_linear" and kimi_linear_format == "internal"
+    fused: dict[str, list[tuple[int, str]]] = {}  # internal format: fused stored name -> [(start, k3lab name)]
+    if internal:
+        for name, value in state.items():
+            part = internal_part(name, tuple(value.shape))
+            if part.fused_shape is not None:
+                fused.setdefault(part.stored, []).append((part.start, name))
     units = []
-    for name, value in model.state_dict().items():
+    for name, value in state.items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue  # the embedding's tensor
         if layers is not None and name.startswith("model.layers.") and int(name.split(".")[2]) not in layers:
             continue
         want = stored_dtype(name, dtype if dtype is not None else value.dtype)
+        if internal:
+            part = internal_part(name, tuple(value.shape))
+            shape = part.fused_shape or tuple(value.shape)
+            if name.endswith("self_attn.A_log"):
+                shape = (1, 1, value.numel(), 1)                                    # transformers' A_log
+            if part.fused_shape is not None:
+                pieces = [n for _, n in sorted(fused[part.stored])]
+                if pieces[0] != name:
+                    continue  # written with the first piece
+                def concat(ns=pieces, d=want, axis=part.axis):
+                    return [torch.cat([state[n].to(d) for n in ns], dim=axis).contiguous()]
+                units.append(_Unit([prefix + part.stored], [shape], [want], concat))
+            else:
+                units.append(_Unit([prefix + part.stored], [shape], [want],
+                                   lambda v=value, d=want, s=shape: [v.to(d).reshape(s).contiguous().clone()]))
+            continue
         m = EXPERT_PARAM.match(name)
         if m is not None:
             for e in range(value.shape[0]):
@@ -171,22 +259,29 @@ def _plan(model: K3ForCausalLM, dtype: torch.dtype | None, quantize: bool, a_log
 
 def tensor_specs(model: K3ForCausalLM, *, dtype: torch.dtype | None = torch.bfloat16, mxfp4_experts: bool = False,
                  a_log_padded_to: int | None = None, prefix: str | None = None, layers=None,
-                 family: str | None = None) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+                 family: str | None = None, kimi_linear_format: str = "original"
+                 ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """``{stored name: (shape, dtype)}`` that :func:`save_hf_checkpoint` would write for ``model`` (which may be
     on the meta device: nothing is computed), restricted to decoder ``layers`` when given."""
-    family, prefix = _layout(model.config, family, prefix, mxfp4_experts, a_log_padded_to)
+    family, prefix = _layout(model.config, family, prefix, mxfp4_experts, a_log_padded_to, kimi_linear_format)
     keep = None if layers is None else set(_parse_layers(layers, model.config.num_hidden_layers))
-    return {name: (shape, dt) for unit in _plan(model, dtype, mxfp4_experts, a_log_padded_to, prefix, keep, family)
+    return {name: (shape, dt) for unit in _plan(model, dtype, mxfp4_experts, a_log_padded_to, prefix, keep, family,
+                                                kimi_linear_format)
             for name, shape, dt in zip(unit.names, unit.shapes, unit.dtypes)}
 
 
 def _layout(cfg: ModelConfig, family: str | None, prefix: str | None, mxfp4_experts: bool,
-            a_log_padded_to: int | None) -> tuple[str, str]:
+            a_log_padded_to: int | None, kimi_linear_format: str = "original") -> tuple[str, str]:
     """(family, prefix) of a checkpoint to write: the config's family unless given; K3's ``language_model.``
     prefix, none for Kimi Linear (transformers reads no other)."""
     family = config_family(cfg) if family is None else family
     if family not in FAMILIES:
         raise ValueError(f"family={family!r}: allowed values are {FAMILIES}")
+    if kimi_linear_format not in KIMI_LINEAR_FORMATS:
+        raise ValueError(f"kimi_linear_format={kimi_linear_format!r}: allowed values are {KIMI_LINEAR_FORMATS}")
+    if family != "kimi_linear" and kimi_linear_format != "original":
+        raise ValueError(f"kimi_linear_format={kimi_linear_format!r}: only the Kimi Linear layout "
+                         f"(family='kimi_linear') has transformers' internal format; this is family={family!r}")
     if family == "kimi_linear":
         for flag, value in (("mxfp4_experts", mxfp4_experts), ("a_log_padded_to", a_log_padded_to),
                             ("prefix", prefix or None)):
@@ -207,13 +302,16 @@ def _bf16_ignore(prefix: str) -> list[str]:
 def save_hf_checkpoint(model: K3ForCausalLM, out_dir: str | os.PathLike, *, dtype: torch.dtype | None = torch.bfloat16,
                        mxfp4_experts: bool = False, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
                        a_log_padded_to: int | None = None, prefix: str | None = None, progress: bool = True,
-                       family: str | None = None) -> Path:
+                       family: str | None = None, kimi_linear_format: str = "original") -> Path:
     """Write ``model`` in its family's layout into ``out_dir`` (new or empty; written to a temporary folder
     beside it and renamed into place). Returns ``out_dir``.
 
     family: "k3" (the release's layout, ``language_model.`` prefix) or "kimi_linear" (transformers'; needs a
     Kimi-Linear-shaped config, :func:`k3lab.hf.config.kimi_linear_mismatches`); None = the config's own
     (:func:`k3lab.hf.config.config_family`).
+    kimi_linear_format: for family "kimi_linear", "original" (what ``save_pretrained`` writes by default) or
+    "internal" (what it writes with ``save_original_format=False``: fused ``conv1d`` and ``gate_up_proj``,
+    :func:`internal_part`); ``from_pretrained`` reads both.
 
     dtype: the stored dtype of everything but :data:`FP32_SUFFIXES` (float32); None keeps each tensor's own.
     mxfp4_experts: routed experts as MXFP4 (compressed-tensors, group 32; needs the expert widths to be
@@ -227,7 +325,7 @@ def save_hf_checkpoint(model: K3ForCausalLM, out_dir: str | os.PathLike, *, dtyp
     if max_shard_bytes < 1:
         raise ValueError(f"max_shard_bytes={max_shard_bytes}: must be >= 1")
     cfg = model.config
-    family, prefix = _layout(cfg, family, prefix, mxfp4_experts, a_log_padded_to)
+    family, prefix = _layout(cfg, family, prefix, mxfp4_experts, a_log_padded_to, kimi_linear_format)
     hf = to_hf_config(cfg, family)  # raises for a config the family cannot describe, before anything is written
     if family == "kimi_linear" and dtype is not None:
         hf = dict(sorted(dict(hf, dtype=str(dtype).removeprefix("torch.")).items()))
@@ -241,7 +339,7 @@ def save_hf_checkpoint(model: K3ForCausalLM, out_dir: str | os.PathLike, *, dtyp
             if v % mxfp4.GROUP_SIZE:
                 raise ValueError(f"mxfp4_experts=True: {fname}={v} must be a multiple of {mxfp4.GROUP_SIZE} "
                                  "(MXFP4 groups run along each expert matrix's input dimension)")
-    units = _plan(model, dtype, mxfp4_experts, a_log_padded_to, prefix, None, family)
+    units = _plan(model, dtype, mxfp4_experts, a_log_padded_to, prefix, None, family, kimi_linear_format)
     shards: list[list[_Unit]] = [[]]
     size = 0
     for unit in units:
@@ -296,6 +394,7 @@ class LoadedCheckpoint:
     tensors_read: int = 0  # stored tensors read (an MXFP4 weight counts two)
     bytes_read: int = 0
     dequantized: int = 0  # MXFP4 weights dequantized
+    kimi_linear_format: str | None = None  # "original" / "internal" (transformers' two); None for K3
 
 
 def read_hf_config(path: str | os.PathLike, **overrides) -> tuple[ModelConfig, dict | None]:
@@ -414,17 +513,22 @@ def load_hf_checkpoint(path: str | os.PathLike, *, layers=None, embeddings: bool
     if head and cfg.tie_word_embeddings and not embeddings:
         selected.update({n: p for n, p in model.named_parameters() if n.startswith(EMBED_PREFIX)})
 
-    # what to read: (k3lab name, expert index or None, stored base name)
+    kl_format = detect_kimi_linear_format(weight_map, str(map_file)) if family == "kimi_linear" else None
+
+    # what to read: (k3lab name, expert index or None, stored base name, fused Part or None)
     jobs = []
     for name, p in selected.items():
         m = EXPERT_PARAM.match(name)
-        if m is None:
+        if kl_format == "internal":
+            part = internal_part(name, tuple(p.shape))
+            jobs.append((name, None, prefix + part.stored, part if part.fused_shape is not None else None))
+        elif m is None:
             candidates = [n for n in stored_names(name, family, prefix) if n in weight_map]
             if len(candidates) > 1:
                 raise ValueError(f"{map_file}: {name} is stored twice, as {candidates}")
-            jobs.append((name, None, candidates[0] if candidates else stored_name(name, family, prefix)))
+            jobs.append((name, None, candidates[0] if candidates else stored_name(name, family, prefix), None))
         else:
-            jobs += [(name, e, f"{prefix}{m['base']}.{e}.{m['w']}") for e in range(p.shape[0])]
+            jobs += [(name, e, f"{prefix}{m['base']}.{e}.{m['w']}", None) for e in range(p.shape[0])]
     consumed = set()
 
     def locate(hf_name: str, shape: tuple) -> tuple[str, str | None]:
@@ -445,9 +549,9 @@ def load_hf_checkpoint(path: str | os.PathLike, *, layers=None, embeddings: bool
         return "plain", hf_name
 
     handles: dict[str, tuple[object, set[str]]] = {}  # shard -> (open safetensors file, its tensor names)
-    out = LoadedCheckpoint(model, cfg, path, layer_list)
+    out = LoadedCheckpoint(model, cfg, path, layer_list, kimi_linear_format=kl_format)
     with ExitStack() as stack:
-        def tensor(stored: str) -> Tensor:
+        def handle(stored: str):
             shard = weight_map[stored]
             if shard not in handles:
                 file = path / shard
@@ -458,21 +562,58 @@ def load_hf_checkpoint(path: str | os.PathLike, *, layers=None, embeddings: bool
             f, names = handles[shard]
             if stored not in names:
                 raise ValueError(f"{path / shard}: has no tensor {stored} ({map_file.name} says it does)")
+            return f
+
+        def tensor(stored: str) -> Tensor:
+            f = handle(stored)
             try:
                 t = f.get_tensor(stored)
             except Exception as err:
-                raise ValueError(f"{path / shard}: cannot read {stored} ({type(err).__name__}: {err}); "
+                raise ValueError(f"{path / weight_map[stored]}: cannot read {stored} ({type(err).__name__}: {err}); "
                                  "the shard is truncated or damaged") from None
             consumed.add(stored)
             out.tensors_read += 1
             out.bytes_read += t.numel() * t.element_size()
             return t
 
+        def fused_piece(name: str, stored: str, part: Part) -> Tensor:
+            """k3lab's ``name``: its slice of fused tensor ``stored`` (only the slice is read; shape checked first)."""
+            if stored not in weight_map:
+                raise ValueError(f"{map_file}: no tensor {stored} (k3lab needs it for {name}, shape "
+                                 f"{list(part.fused_shape)}; config.json and the checkpoint disagree, or the "
+                                 "checkpoint is incomplete)")
+            f = handle(stored)
+            try:
+                sl = f.get_slice(stored)
+                shape = tuple(sl.get_shape())
+            except Exception as err:
+                raise ValueError(f"{path / weight_map[stored]}: cannot read {stored} ({type(err).__name__}: {err}); "
+                                 "the shard is truncated or damaged") from None
+            if shape != part.fused_shape:
+                raise ValueError(f"{path / weight_map[stored]}: {stored} has shape {list(shape)}, expected "
+                                 f"{list(part.fused_shape)} ({part.what}; transformers' internal format, from "
+                                 f"{config_file.name})")
+            index = tuple(slice(part.start, part.start + part.length) if d == part.axis else slice(None)
+                          for d in range(len(shape)))
+            try:
+                t = sl[index]                                           # k3lab's [H·K, 1, W] or [E, I, D]
+            except Exception as err:
+                raise ValueError(f"{path / weight_map[stored]}: cannot read {stored} ({type(err).__name__}: {err}); "
+                                 "the shard is truncated or damaged") from None
+            if stored not in consumed:
+                consumed.add(stored)
+                out.tensors_read += 1
+            out.bytes_read += t.numel() * t.element_size()
+            return t
+
         values = {name: torch.empty(p.shape, dtype=stored_dtype(name, dtype), device=device)
                   for name, p in selected.items()}
         bar = _bar(jobs, desc="load", disable=not progress)
-        for name, e, hf_name in bar:
+        for name, e, hf_name, part in bar:
             dest = values[name] if e is None else values[name][e]
+            if part is not None:
+                dest.copy_(fused_piece(name, hf_name, part))
+                continue
             kind, stored = locate(hf_name if e is None else hf_name + ".weight", tuple(dest.shape))
             if kind == "mxfp4":
                 packed, scale = tensor(f"{stored}.weight_packed"), tensor(f"{stored}.weight_scale")
