@@ -80,6 +80,13 @@ def test_budget_cuts_whole_seeds(tmp_path):
     budget.took(4.0)
     budget.start -= 4.0
     assert budget.allows() and not budget.allows(reserve=1)
+    first = Budget(10.0)  # the first run also compiles: once a second run is measured, it no longer predicts
+    first.took(6.0)
+    first.start -= 6.0
+    assert not first.allows()
+    first.took(1.0)
+    first.start -= 1.0
+    assert first.allows(reserve=1) and not first.allows(reserve=2)
     jobs = seed_major(["a", "b"], [0, 1, 2])
     assert jobs[:2] == [("a", 0), ("b", 0)]
     assert complete_seeds({("a", 0), ("b", 0), ("a", 1)}, ["a", "b"], [0, 1, 2]) == [0]
@@ -105,6 +112,37 @@ def test_ledger_check_reads_verdicts_and_finds_disagreements(tmp_path):
                       "| NOPE-2 | c | s | e | r | **not yet tested** |\n")
     problems = check_ledger.check(folder, ledger)
     assert len(problems) == 2 and any("'confirmed' in the notebook" in p for p in problems)
+    # "not tested" (too few seeds) sets no status: a row that cites the run keeps its other evidence's status
+    ledger.write_text("| AR-3 | c | s | e | r (06_x.ipynb) | **confirmed** |\n"
+                      "| NOPE-2 | c | s | e | CPU 3 seeds; GPU 1 seed (06_x.ipynb) | **not reproduced at this scale** |\n")
+    assert check_ledger.check(folder, ledger) == []
+
+
+def test_gpu_run_notebooks_are_never_collected_by_nbval():
+    """testpaths holds notebooks/: the executed GPU records must not run on a CPU CI machine (their conftest)."""
+    import fnmatch
+
+    spec = importlib.util.spec_from_file_location("gpu_runs_conftest", ROOT / "notebooks" / "gpu_runs" / "conftest.py")
+    conftest = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(conftest)
+    for path in list((ROOT / "notebooks" / "gpu_runs").glob("*.ipynb")) + [ROOT / "notebooks" / "gpu_runs" / "x.ipynb"]:
+        assert any(fnmatch.fnmatch(path.name, g) for g in conftest.collect_ignore_glob), path
+
+
+def test_measured_seconds_match_the_runs_files_and_each_notebook_fits_a_call():
+    run_claims = _load("run_claims")
+    for nb, m in run_claims.MEASURED.items():
+        if not m["runs_file"] or not (ROOT / "notebooks" / "gpu_runs" / m["runs_file"]).is_file():
+            continue
+        records = [json.loads(line) for line in (ROOT / "notebooks" / "gpu_runs" / m["runs_file"]).read_text().splitlines()]
+        seconds = [r["seconds"] for r in records]
+        assert abs(seconds[0] - m["first"]) < 0.5 and abs(max(seconds[1:]) - m["per_run"]) < 0.5, (nb, seconds)
+    for nb in run_claims.NOTEBOOKS:
+        p = run_claims.plan_seconds(nb, SCALES[nb]["gpu"])
+        assert p["alone"] <= SCALES[nb]["gpu"]["budget_s"], (nb, p)  # 3 seeds fit the budget at the measured speed
+        assert SCALES[nb]["gpu"]["budget_s"] + run_claims.OVERHEAD_S <= run_claims.CALL_S - 60
+    assert run_claims.runs_for_three_seeds("06", SCALES["06"]["cpu"]) == 3 * (2 + 3)  # cpu: 1, 2, 4 blocks
+    assert "06" in run_claims.plan()
 
 
 def test_executed_gpu_notebooks_agree_with_the_ledger():

@@ -6,11 +6,12 @@ cut call, and training through CUDA graphs with an eager fallback.
 their value from it (:func:`resolve_scale`), so one papermill parameter, ``scale``, moves the whole notebook:
 
 * ``"cpu"`` — the committed tiny runs (CI, a laptop; each notebook well under 90 s on 2 cores);
-* ``"gpu"`` — one H200 for about 2.5 minutes per notebook (``notebooks/gpu_runs/run_claims.py``);
+* ``"gpu"`` — one H200, one notebook per device call (``notebooks/gpu_runs/run_claims.py``; 3 seeds take 2.5-6 min a
+  notebook at the per-run seconds measured on 2026-12-04, ``run_claims.py --plan``);
 * ``"smoke"`` — the GPU scale's structure (its variants, data, budget and verdict code) at tiny sizes, so the
   GPU pipeline is tested on a CPU in seconds.
 
-The estimates of GPU time per notebook are in ``notebooks/gpu_runs/run_claims.py --estimate``.
+The measured GPU time per run and what fits in a call: ``notebooks/gpu_runs/run_claims.py --plan``.
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ SCALES: dict[str, dict[str, dict]] = {
                     budget_s=None),
         "gpu": dict(pairs_grid=[8, 16, 32, 64], steps=1000, d_model=128, seq_len=256, n_layers=2, batch_size=128,
                     chunk_size=64, vocab_size=256, lr=3e-3, seeded=["kda", "gated_deltanet", "mamba2"],
-                    cuda_graph=True, budget_s=270),
+                    cuda_graph=True, budget_s=360),
         "smoke": dict(pairs_grid=[2, 4], steps=12, d_model=16, seq_len=16, n_layers=1, batch_size=8, chunk_size=8,
                       vocab_size=32, lr=1e-2, seeded=["kda", "gated_deltanet", "mamba2"], cuda_graph=True,
                       budget_s=240),
@@ -46,21 +47,24 @@ SCALES: dict[str, dict[str, dict]] = {
     "05": {
         "cpu": dict(model={}, layers=2, steps=100, batch_size=32, train_len=16, lr=1e-2, init_std=0.1,
                     max_multiple=16, eval_rows=32, cuda_graph=False, dtype="float32", budget_s=None),
-        "gpu": dict(model=GPU_MODEL, layers=4, steps=800, batch_size=64, train_len=256, lr=3e-3, init_std=0.05,
+        "gpu": dict(model=GPU_MODEL, layers=4, steps=500, batch_size=64, train_len=256, lr=3e-3, init_std=0.05,
                     max_multiple=8, eval_rows=128, cuda_graph=True, dtype="bfloat16", budget_s=240),
         "smoke": dict(model={}, layers=4, steps=6, batch_size=4, train_len=16, lr=1e-2, init_std=0.1,
                       max_multiple=4, eval_rows=4, cuda_graph=True, dtype="float32", budget_s=240),
     },
     # 06 · AttnRes vs PreNorm and the block count (AR-2, AR-3, AR-5). GPU: 8 decoder layers (16 sublayers; K3's
-    # 3:1 KDA/MLA schedule) at D = 256, byte tokens of the code corpus (no window repeats), 300 steps of 64 x 512.
+    # 3:1 KDA/MLA schedule) at D = 256, byte tokens of the code corpus (no window repeats), 250 steps of 64 x 512;
+    # AttnRes with 1 and 8 blocks (S = 16 and 2 sublayers a block) and full against PreNorm: 4 variants x 3 seeds, about
+    # 26 s a run alone on one H200 (measured 31 s at 300 steps), so 3 seeds fit one call (all 6 variants would not).
+    # ``block_counts`` None: every power of 2 dividing num_layers.
     "06": {
-        "cpu": dict(model={}, num_layers=4, hybrid=False, tokenizer="byte", corpus="kjv", steps=30, batch_size=8,
-                    seq_len=32, lr=1e-2, eval_batches=4, cuda_graph=False, dtype="float32", budget_s=None),
-        "gpu": dict(model=GPU_MODEL, num_layers=8, hybrid=True, tokenizer="byte", corpus="code", steps=300,
-                    batch_size=64, seq_len=512, lr=3e-3, eval_batches=16, cuda_graph=True, dtype="bfloat16",
-                    budget_s=300),
-        "smoke": dict(model={}, num_layers=4, hybrid=True, tokenizer="byte", corpus="code", steps=4, batch_size=2,
-                      seq_len=16, lr=1e-2, eval_batches=1, cuda_graph=True, dtype="float32", budget_s=240),
+        "cpu": dict(model={}, num_layers=4, hybrid=False, tokenizer="byte", corpus="kjv", block_counts=None, steps=30,
+                    batch_size=8, seq_len=32, lr=1e-2, eval_batches=4, cuda_graph=False, dtype="float32", budget_s=None),
+        "gpu": dict(model=GPU_MODEL, num_layers=8, hybrid=True, tokenizer="byte", corpus="code", block_counts=[1, 8],
+                    steps=250, batch_size=64, seq_len=512, lr=3e-3, eval_batches=16, cuda_graph=True,
+                    dtype="bfloat16", budget_s=360),
+        "smoke": dict(model={}, num_layers=4, hybrid=True, tokenizer="byte", corpus="code", block_counts=[1, 4], steps=4,
+                      batch_size=2, seq_len=16, lr=1e-2, eval_batches=1, cuda_graph=True, dtype="float32", budget_s=240),
     },
 }
 
@@ -87,8 +91,9 @@ def resolve_scale(notebook: str, scale: str, namespace: dict) -> dict:
 class Budget:
     """A wall-clock budget for a notebook's training runs (``seconds=None``: unlimited).
 
-    ``allows(reserve)`` says whether one more run fits, predicting a run's time as the longest one so far, with
-    room left for ``reserve`` more runs after it; ``took(seconds)`` records a finished run. A notebook that asks
+    ``allows(reserve)`` says whether one more run fits, predicting a run's time as the longest one so far after
+    the first (which also compiles kernels and captures graphs: 47 s against 14-16 s for 05 on an H200; it is the
+    prediction only while it is the one run measured), with room left for ``reserve`` more runs after it; ``took(seconds)`` records a finished run. A notebook that asks
     before each run finishes within its budget (give or take one run) with the runs it had time for, and says
     which it skipped, instead of being cut mid-cell by the caller's timeout."""
 
@@ -101,7 +106,7 @@ class Budget:
     def allows(self, reserve: int = 0) -> bool:
         if self.seconds is None:
             return True
-        per_run = max(self.durations, default=0.0)
+        per_run = max(self.durations[1:] or self.durations, default=0.0)
         return self.elapsed() + per_run * (1 + reserve) <= self.seconds
 
     def took(self, seconds: float) -> None:

@@ -6,7 +6,9 @@ Each claim notebook prints one line per claim it judges, computed from its numbe
 
 For every executed notebook in ``notebooks/gpu_runs/`` (``*.ipynb``), this script collects those lines and checks, for
 each claim, that the row of ``docs/claims.md`` with that ID has the same status (the bold word of its status
-column; the notebooks' "not tested" is the ledger's "not yet tested") and cites the executed notebook by path.
+column) and cites the executed notebook by path. A "not tested" verdict (the budget left fewer than 3 whole seeds)
+judges nothing: the row must cite the notebook, as a record of what ran, but keeps the status its other evidence
+gives it (a CPU-scale verdict over 3 seeds is not undone by a GPU run of 1 seed).
 
     python notebooks/gpu_runs/check_ledger.py             # check; exit 1 listing every disagreement
     python notebooks/gpu_runs/check_ledger.py --markdown  # the verdicts and headlines as a notebooks/GPU_RUNS.md section
@@ -27,6 +29,7 @@ LEDGER = ROOT / "docs" / "claims.md"
 VERDICT_RE = re.compile(r"^VERDICT ([A-Z]+-\d+): (.+?) — (.*)$")
 ROW_RE = re.compile(r"^\|\s*([A-Z]+-\d+)\s*\|(.*)\|\s*$", re.MULTILINE)
 STATUS_WORDS = {"not tested": "not yet tested"}
+NOT_TESTED = "not yet tested"  # a run that judged nothing (too few seeds): cited, but it sets no status
 
 
 def stdout_lines(nb: dict) -> list[str]:
@@ -85,7 +88,7 @@ def check(folder: Path = HERE, ledger: Path = LEDGER) -> list[str]:
             if claim not in rows:
                 problems.append(f"{rel}: {claim} has no row in docs/claims.md")
                 continue
-            if row_status(rows[claim]) != status:
+            if status != NOT_TESTED and row_status(rows[claim]) != status:
                 problems.append(f"{rel}: {claim} is '{status}' in the notebook, "
                                 f"'{row_status(rows[claim])}' in docs/claims.md")
             if rel not in " ".join(rows[claim]):

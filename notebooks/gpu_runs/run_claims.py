@@ -2,12 +2,13 @@
 
 From the repository root on the GPU machine (k3lab importable, papermill and ipykernel installed):
 
-    python notebooks/gpu_runs/run_claims.py --out "$OUT"            # scale "gpu": one H200, about 6 minutes in all
-    python notebooks/gpu_runs/run_claims.py --out /tmp/claims --smoke # scale "smoke": the same pipeline on a CPU
+    python notebooks/gpu_runs/run_claims.py --plan                        # measured seconds: what fits in one call
+    python notebooks/gpu_runs/run_claims.py --out "$OUT" --only 01          # scale "gpu": one notebook per device call
+    python notebooks/gpu_runs/run_claims.py --out /tmp/claims --smoke       # scale "smoke": the same pipeline on a CPU
 
 Each notebook runs as ``papermill <notebook> OUT/<notebook> -p scale gpu -p runs_file OUT/<name>.runs.jsonl
--p budget_s B``, in its own process and kernel, several at once (``--jobs``, default 3 on a GPU: the small models
-leave the GPU idle between kernel launches, so three processes share it well). Nothing is cut mid-result:
+-p budget_s B``, in its own process and kernel, one at a time (``--jobs``, default 1: on 2026-12-04 three notebooks
+sharing one H200 each ran 2.5-4x slower than alone, see :data:`MEASURED`). Nothing is cut mid-result:
 
 * each notebook stops starting runs when its training budget ``B`` (``k3lab.experiments.scales.SCALES``, capped by
   the time left) is spent, and judges its claims on the whole seeds it finished;
@@ -17,7 +18,9 @@ leave the GPU idle between kernel launches, so three processes share it well). N
 * the last lines printed are a summary table (notebook, status, seconds, the ``VERDICT`` lines), also written to
   ``OUT/summary.md``.
 
-``--estimate`` prints the FLOP-based estimate of each notebook's GPU time and exits.
+``--plan`` prints, from the per-run seconds measured on one H200 (:data:`MEASURED`, read from the committed
+``notebooks/gpu_runs/*.runs.jsonl``), what 3 seeds of each notebook take at today's sizes and whether it fits in one
+9-minute device call; ``--estimate`` adds the FLOP-based estimate (which was 3-5x too optimistic).
 """
 from __future__ import annotations
 
@@ -36,6 +39,24 @@ NOTEBOOKS = {"01": "01_linear_attention_lineage", "05": "05_nope_vs_rope", "06":
 INLINE_BACKEND = "module://matplotlib_inline.backend_inline"
 H200_BF16_PEAK = 990e12  # dense bf16 FLOP/s
 MFU = 0.30  # what the small models are assumed to reach when compute-bound
+CALL_S = 540.0  # one device call: 9 minutes (the device allows 10 a command)
+OVERHEAD_S = 45.0  # per notebook outside its training budget: kernel start, imports, CUDA init, data, plots
+
+# Seconds per training run measured on one NVIDIA H200 on 2026-12-04 (torch 2.11.0+cu130), from the committed
+# runs files (``notebooks/gpu_runs/NN_*.runs.jsonl``, ``seconds``; ``tests/test_gpu_runs.py`` checks they agree) and,
+# for 06, whose runs file did not come back, its progress bar. ``first``: the notebook's first run, which also
+# compiles Triton kernels and captures CUDA graphs; ``per_run``: a later run; ``steps``: the steps they ran;
+# ``shared``: the notebook ran with two others on the same GPU (``--jobs 3``). Shared runs were 2.5-4x slower:
+# 05's runs took 58.8-64.9 s at 800 steps shared, 14.4-14.7 s at 500 alone (0.073-0.081 vs 0.029 s a step).
+SHARED_SLOWDOWN = 2.5  # the smallest ratio seen; a shared measurement divided by it is an optimistic "alone" figure
+MEASURED = {
+    "01": dict(steps=1000, shared=True, first=115.4, per_run=40.1,  # KDA 115.4 s (with compile), GDN 40.1, Mamba2 31.6
+               runs_file="01_linear_attention_lineage.runs.jsonl"),
+    "05": dict(steps=500, shared=False, first=47.0, per_run=15.7,  # 7 later runs 11.0-15.7 s; 8 runs in 146 s
+               runs_file="05_nope_vs_rope.runs.jsonl"),
+    "06": dict(steps=300, shared=False, first=65.5, per_run=31.0,  # 4 runs: 65, 78, 66 s shared, then 31 s alone
+               runs_file=None),
+}
 
 
 def ensure_kernel(name: str = "python3") -> None:
@@ -64,6 +85,11 @@ def machine() -> dict:
     try:
         info["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                                         text=True).stdout.strip() or "unknown"
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "k3lab", "notebooks"], cwd=ROOT,
+                               capture_output=True, text=True).stdout.split("\n")
+        changed = [line[3:] for line in dirty if line[:2].strip() and not line.startswith("??")]
+        if changed:
+            info["commit"] += f" with uncommitted changes to {', '.join(changed[:5])}"
     except OSError:
         info["commit"] = "unknown"
     return info
@@ -86,15 +112,20 @@ def verdicts_of(path: Path) -> list[str]:
     return found
 
 
-def add_record_cell(path: Path, info: dict, params: dict, status: str, seconds: float, command: str) -> None:
-    """Put a markdown cell first in the executed notebook: when, where, with what, how it went."""
+def add_record_cell(path: Path, info: dict, params: dict, status: str, seconds: float, command: str,
+                    sizes: dict | None = None) -> None:
+    """Put a markdown cell first in the executed notebook: when, where, with what (the scale's sizes too), how it
+    went."""
     if not path.is_file():
         return
     nb = json.loads(path.read_text())
     lines = ["**GPU run record** (added by `notebooks/gpu_runs/run_claims.py`)", "",
              "| | |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in info.items()]
-    lines += [f"| parameters | {', '.join(f'`{k}={v!r}`' for k, v in params.items())} |",
+    lines += [f"| parameters | {', '.join(f'`{k}={v!r}`' for k, v in params.items())} |"]
+    if sizes:
+        lines.append(f"| sizes | {', '.join(f'`{k}={v!r}`' for k, v in sizes.items())} (`SCALES`, without `model`) |")
+    lines += [
               f"| status | {status}, {seconds:.0f} s wall |", f"| command | `{command}` |"]
     cell = {"cell_type": "markdown", "id": "gpu-run-record", "metadata": {"tags": ["gpu-run-record"]},
             "source": [line + "\n" for line in lines[:-1]] + [lines[-1]]}
@@ -108,6 +139,51 @@ def normalize(path: Path) -> None:
     tool = ROOT / "tools" / "normalize_notebooks.py"
     if path.is_file() and tool.is_file():
         subprocess.run([sys.executable, str(tool), str(path)], cwd=ROOT, capture_output=True)
+
+
+def runs_for_three_seeds(nb: str, sizes: dict) -> int:
+    """Training runs a notebook needs for its claims over 3 seeds at ``sizes`` (``SCALES[nb][scale]``)."""
+    if nb == "01":
+        return 3 * len(sizes["seeded"])  # the lineage's other mixers run at seed 0 only when time is left
+    if nb == "05":
+        return 3 * 2 + 2  # NoPE and RoPE hybrids x 3 seeds, all-KDA and all-MLA once
+    blocks = sizes.get("block_counts") or [2 ** i for i in range(sizes["num_layers"].bit_length())]
+    return 3 * (2 + len(blocks))  # PreNorm, AttnRes full and the block variants, x 3 seeds
+
+
+def plan_seconds(nb: str, sizes: dict) -> dict:
+    """Seconds for 3 seeds of ``nb`` at ``sizes``, alone on one H200, from :data:`MEASURED` (per-run time scaled by
+    steps; a shared measurement divided by :data:`SHARED_SLOWDOWN`, and also kept as the worst case)."""
+    m = MEASURED[nb]
+    ratio = sizes["steps"] / m["steps"]
+    runs = runs_for_three_seeds(nb, sizes)
+    worst = m["first"] + (runs - 1) * m["per_run"] * ratio
+    alone = worst / SHARED_SLOWDOWN if m["shared"] else worst
+    return dict(runs=runs, per_run=m["per_run"] * ratio / (SHARED_SLOWDOWN if m["shared"] else 1), alone=alone,
+                worst=worst, budget=sizes["budget_s"])
+
+
+def plan(wanted=tuple(NOTEBOOKS)) -> str:
+    """What 3 seeds of each notebook take at the GPU scale, from the measured per-run seconds, and what fits in one
+    9-minute call (:data:`CALL_S`, less :data:`OVERHEAD_S` a notebook)."""
+    sys.path.insert(0, str(ROOT))
+    from k3lab.experiments.scales import SCALES
+
+    lines = [f"plan from measured H200 seconds (MEASURED; one call = {CALL_S:.0f} s, {OVERHEAD_S:.0f} s a notebook "
+             "outside training):",
+             f"{'nb':3s} {'runs':>4s} {'s/run':>6s} {'3 seeds':>8s} {'budget':>7s}  verdict"]
+    for nb in wanted:
+        p = plan_seconds(nb, SCALES[nb]["gpu"])
+        fits_budget = p["alone"] <= p["budget"]
+        fits_call = p["alone"] + OVERHEAD_S <= CALL_S
+        shared = (f" (measured sharing the GPU: up to {p['worst']:.0f} s)" if MEASURED[nb]["shared"] else "")
+        lines.append(f"{nb:3s} {p['runs']:4d} {p['per_run']:6.1f} {p['alone']:8.0f} {p['budget']:7.0f}  "
+                     + ("fits its budget" if fits_budget else "does NOT fit its budget (whole seeds are cut)")
+                     + ("; alone in one call" if fits_call else "; needs more than one call") + shared)
+    total = sum(plan_seconds(nb, SCALES[nb]["gpu"])["alone"] + OVERHEAD_S for nb in wanted)
+    lines.append(f"{', '.join(wanted)}: about {total:.0f} s of GPU in all; one notebook a call (--only NN), each call "
+                 f"stopped by --deadline {CALL_S - 60:.0f} s + --grace 60 s")
+    return "\n".join(lines)
 
 
 def estimate() -> None:
@@ -139,7 +215,7 @@ def estimate() -> None:
                                              full_attn_layers=[4, 8])
     n = n_params(K3ForCausalLM(cfg))
     tokens = g["steps"] * g["batch_size"] * g["seq_len"]
-    runs = 6 * 3  # PreNorm, AttnRes with 1, 2, 4, 8 blocks, AttnRes full: 6 variants x 3 seeds
+    runs = runs_for_three_seeds("06", g)  # PreNorm, AttnRes full and the block variants x 3 seeds
     rows.append(("06 AttnRes", runs, g["steps"], tokens, n, 6 * n * tokens * runs, g["num_layers"] * 600))
     print(f"{'notebook':14s} {'runs':>4s} {'steps':>6s} {'tokens/run':>11s} {'params':>9s} {'PFLOP':>7s} "
           f"{'compute s':>9s} {'launch s (graph / eager)':>25s}")
@@ -158,14 +234,18 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "runs/claims")), help="output folder ($OUT)")
     ap.add_argument("--smoke", action="store_true", help="scale 'smoke': tiny sizes, runs on a CPU")
     ap.add_argument("--only", default=",".join(NOTEBOOKS), help="notebook numbers, e.g. 01,06 (default all three)")
-    ap.add_argument("--jobs", type=int, default=None, help="notebooks at once (default 3 on a GPU, 1 on a CPU)")
-    ap.add_argument("--deadline", type=float, default=450.0, help="seconds from start after which nothing runs")
-    ap.add_argument("--grace", type=float, default=90.0, help="seconds past a notebook's budget before it is killed")
+    ap.add_argument("--jobs", type=int, default=1, help="notebooks at once (default 1: notebooks sharing a GPU slow "
+                    "each other 2.5-4x)")
+    ap.add_argument("--deadline", type=float, default=CALL_S - 60.0, help="seconds from start after which nothing runs")
+    ap.add_argument("--grace", type=float, default=60.0, help="seconds past a notebook's budget before it is killed")
     ap.add_argument("--kernel", default="python3")
-    ap.add_argument("--estimate", action="store_true", help="print the GPU-time estimate and exit")
+    ap.add_argument("--plan", action="store_true", help="print the measured seconds and what fits in a call; exit")
+    ap.add_argument("--estimate", action="store_true", help="--plan, then the FLOP-based estimate; exit")
     args = ap.parse_args(argv)
-    if args.estimate:
-        estimate()
+    if args.plan or args.estimate:
+        print(plan())
+        if args.estimate:
+            estimate()
         return 0
     t_start = time.monotonic()
     import torch  # noqa: F401 (the record's versions; also fails early where torch is missing)
@@ -178,7 +258,9 @@ def main(argv=None) -> int:
     for n in wanted:
         if n not in NOTEBOOKS:
             ap.error(f"--only: {n} is not one of {sorted(NOTEBOOKS)}")
-    jobs = args.jobs or (3 if torch.cuda.is_available() else 1)
+    jobs = max(1, args.jobs)
+    if not args.smoke:
+        print(plan(wanted), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     ensure_kernel(args.kernel)
     info = machine()
@@ -187,7 +269,7 @@ def main(argv=None) -> int:
         [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
     env.setdefault("OMP_NUM_THREADS", "4" if torch.cuda.is_available() else "1")
 
-    pending, running, results = list(wanted), {}, {}
+    pending, running, results, sizes = list(wanted), {}, {}, {}
     while pending or running:
         now = time.monotonic() - t_start
         while pending and len(running) < jobs:  # start the next notebook with what time is left
@@ -201,6 +283,7 @@ def main(argv=None) -> int:
                 continue
             params = dict(scale=scale, runs_file=str((args.out / f"{name}.runs.jsonl").resolve()),
                           budget_s=float(round(budget)))
+            sizes[nb] = {k: v for k, v in SCALES[nb][scale].items() if k != "model"}
             out = (args.out / f"{name}.ipynb").resolve()
             cmd = [sys.executable, "-m", "papermill", f"{name}.ipynb", str(out), "-k", args.kernel, "--no-progress-bar",
                    "--log-output"] + [x for k, v in params.items() for x in ("-p", k, str(v))]
@@ -233,7 +316,7 @@ def main(argv=None) -> int:
             del running[nb]
             results[nb] = dict(status=status, seconds=elapsed, params=r["params"], command=r["command"])
             path = args.out / f"{NOTEBOOKS[nb]}.ipynb"
-            add_record_cell(path, info, r["params"], status, elapsed, r["command"])
+            add_record_cell(path, info, r["params"], status, elapsed, r["command"], sizes.get(nb))
             normalize(path)
             print(f"[{time.monotonic() - t_start:5.0f} s] {NOTEBOOKS[nb]}: {status} in {elapsed:.0f} s", flush=True)
 
