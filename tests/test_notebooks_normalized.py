@@ -11,8 +11,7 @@ import normalize_notebooks  # noqa: E402
 
 # Notebooks other sessions are still editing: reported (xfail) until the lead runs
 # `python tools/normalize_notebooks.py` over all of them; then empty this set.
-PENDING = {"01_linear_attention_lineage", "05_nope_vs_rope", "06_attention_residuals", "07_latent_moe_and_situ",
-           "12_scaling_up", "13_inference", "14_real_k3_weights"}
+PENDING: set[str] = set()  # notebooks allowed to differ from JupyterLab's save for now (none)
 
 
 def _params():
