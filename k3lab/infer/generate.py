@@ -250,8 +250,9 @@ def stream(model, prompts, max_new_tokens: int, temperature: float = 0.0, top_k:
            stats: GenerationStats | None = None, eos_token_id=EOS_FROM_CONFIG,
            allow_longer: bool = False, decoder: str = "eager") -> Iterator[tuple[int, int]]:
     """The streaming form of :func:`generate`: yields ``(row, token)`` as each token is produced
-    (rows interleaved step by step; under speculative decoding one row after another). Arguments are
-    checked before the first token (ValueError naming the argument)."""
+    (rows interleaved step by step; under speculative decoding one row after another; with
+    ``decoder="static"``/``"graph"`` the tokens stay on the device until the decode ends, then come row by row).
+    Arguments are checked before the first token (ValueError naming the argument)."""
     hcache.check_model(model)
     vocab = model.config.vocab_size
     if max_prompt_tokens is not None:
