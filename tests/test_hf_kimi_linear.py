@@ -17,8 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-transformers = pytest.importorskip("transformers")
-from transformers import AutoModelForCausalLM, KimiLinearConfig, KimiLinearForCausalLM  # noqa: E402
+from transformers import AutoModelForCausalLM, KimiLinearConfig, KimiLinearForCausalLM  # noqa: E402  (pinned: never skipped)
 
 from k3lab.config import ModelConfig  # noqa: E402
 from k3lab.hf.checkpoint import INDEX_FILE, SINGLE_FILE, load_hf_checkpoint, save_hf_checkpoint  # noqa: E402
