@@ -322,7 +322,10 @@ def test_notebook_07_situ_at_the_low_learning_rate(monkeypatch):
     (every run reseeds; §4's numbers are the same as with steps=30)."""
     import re
 
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the notebook's first cell sets it; restored afterwards
+    # the notebook's first cell sets TRITON_INTERPRET=1 in this process; setenv records the variable (present or not)
+    # so that teardown puts it back — delenv(raising=False) on an absent variable records nothing, and the "1" leaked
+    # into later tests of this worker (test_precision saw the fused kernel "run" on a CPU)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
     ns = _cells("07_latent_moe_and_situ", stop="from k3lab.kernels.moe_rows import combine_rows",
                 stress_lr=3e-3, steps=2)
     peak, seeds = ns["peak"], ns["seeds"]
