@@ -1,4 +1,4 @@
-"""The scales of the claim notebooks (01, 05, 06): their sizes in one place, and what a run at a GPU scale needs
+"""The scales of the claim notebooks (01, 05, 06, 07): their sizes in one place, and what a run at a GPU scale needs
 (issue 29) — a time budget that cuts whole seeds rather than the notebook, a log of finished runs that survives a
 cut call, and training through CUDA graphs with an eager fallback.
 
@@ -65,6 +65,24 @@ SCALES: dict[str, dict[str, dict]] = {
                     dtype="bfloat16", budget_s=360),
         "smoke": dict(model={}, num_layers=4, hybrid=True, tokenizer="byte", corpus="code", block_counts=[1, 4], steps=4,
                       batch_size=2, seq_len=16, lr=1e-2, eval_batches=1, cuda_graph=True, dtype="float32", budget_s=240),
+    },
+    # 07 · LatentMoE vs a standard MoE at equal dispatch bytes, routed parameters and active expert FLOPs (LMOE-3's
+    # quality side). GPU: 4 layers at D = 256 (layer 1 dense, layers 2-4 MoE with one shared expert; every mixer MLA:
+    # the mixer is not what is compared), standard MoE 16 experts top-2 at width 256 vs LatentMoE 32 experts top-4 at
+    # width 128 (expert hidden 256), byte tokens of the code corpus (disjoint windows), 500 steps of 64 x 256, bf16:
+    # 2 variants x 3 seeds. Not measured yet: estimated at ~30 s a run (05's dense 4-layer D = 256 model took 11-16 s
+    # at these steps and tokens; the MoE layers' routing, QB balancer and dispatch counted as doubling it), 60 s for
+    # the first, ~210 s for 3 seeds. ``stress``: §4's SiTU vs SwiGLU runs (cpu only; at gpu the budget goes to §3).
+    "07": {
+        "cpu": dict(model={}, num_layers=2, tokenizer="bpe", corpus="kjv", steps=30, lr=3e-3, batch_size=8, seq_len=32,
+                    eval_batches=4, std_experts=8, std_topk=2, stress=True, stress_steps=50, stress_lr=3e-2,
+                    cuda_graph=False, budget_s=None),
+        "gpu": dict(model=dict(GPU_MODEL, moe_intermediate_size=256), num_layers=4, tokenizer="byte", corpus="code",
+                    steps=500, lr=3e-3, batch_size=64, seq_len=256, eval_batches=16, std_experts=16, std_topk=2,
+                    stress=False, stress_steps=50, stress_lr=3e-2, cuda_graph=True, budget_s=300),
+        "smoke": dict(model={}, num_layers=2, tokenizer="byte", corpus="code", steps=4, lr=3e-3, batch_size=2,
+                      seq_len=16, eval_batches=1, std_experts=8, std_topk=2, stress=False, stress_steps=4,
+                      stress_lr=3e-2, cuda_graph=True, budget_s=240),
     },
 }
 

@@ -1,4 +1,4 @@
-"""Run the claim notebooks (01, 05, 06) at the GPU scale in one device call, through papermill (issue 29).
+"""Run the claim notebooks (01, 05, 06, 07) at the GPU scale in one device call, through papermill (issue 29).
 
 From the repository root on the GPU machine (k3lab importable, papermill and ipykernel installed):
 
@@ -35,7 +35,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-NOTEBOOKS = {"01": "01_linear_attention_lineage", "05": "05_nope_vs_rope", "06": "06_attention_residuals"}
+NOTEBOOKS = {"01": "01_linear_attention_lineage", "05": "05_nope_vs_rope", "06": "06_attention_residuals",
+             "07": "07_latent_moe_and_situ"}
 INLINE_BACKEND = "module://matplotlib_inline.backend_inline"
 H200_BF16_PEAK = 990e12  # dense bf16 FLOP/s
 MFU = 0.30  # what the small models are assumed to reach when compute-bound
@@ -56,6 +57,10 @@ MEASURED = {
                runs_file="05_nope_vs_rope.runs.jsonl"),
     "06": dict(steps=300, shared=False, first=65.5, per_run=31.0,  # 4 runs: 65, 78, 66 s shared, then 31 s alone
                runs_file=None),
+    # 07 is not measured yet: ESTIMATED from 05's alone runs (the same D = 256, 4 layers, 500 steps of 64 x 256 tokens:
+    # 11-16 s a run, 47 s the first), doubled for the MoE layers (routing, QB balancer, dispatch and combine, two
+    # expert GEMM groups). Replace with the runs file's seconds after the first GPU run.
+    "07": dict(steps=500, shared=False, first=60.0, per_run=30.0, runs_file=None, estimated=True),
 }
 
 
@@ -147,6 +152,8 @@ def runs_for_three_seeds(nb: str, sizes: dict) -> int:
         return 3 * len(sizes["seeded"])  # the lineage's other mixers run at seed 0 only when time is left
     if nb == "05":
         return 3 * 2 + 2  # NoPE and RoPE hybrids x 3 seeds, all-KDA and all-MLA once
+    if nb == "07":
+        return 3 * 2 + (3 * 2 if sizes.get("stress") else 0)  # LatentMoE and standard MoE (and SiTU, SwiGLU) x 3 seeds
     blocks = sizes.get("block_counts") or [2 ** i for i in range(sizes["num_layers"].bit_length())]
     return 3 * (2 + len(blocks))  # PreNorm, AttnRes full and the block variants, x 3 seeds
 
@@ -176,7 +183,8 @@ def plan(wanted=tuple(NOTEBOOKS)) -> str:
         p = plan_seconds(nb, SCALES[nb]["gpu"])
         fits_budget = p["alone"] <= p["budget"]
         fits_call = p["alone"] + OVERHEAD_S <= CALL_S
-        shared = (f" (measured sharing the GPU: up to {p['worst']:.0f} s)" if MEASURED[nb]["shared"] else "")
+        shared = (f" (measured sharing the GPU: up to {p['worst']:.0f} s)" if MEASURED[nb]["shared"] else
+                  " (ESTIMATED, not yet measured)" if MEASURED[nb].get("estimated") else "")
         lines.append(f"{nb:3s} {p['runs']:4d} {p['per_run']:6.1f} {p['alone']:8.0f} {p['budget']:7.0f}  "
                      + ("fits its budget" if fits_budget else "does NOT fit its budget (whole seeds are cut)")
                      + ("; alone in one call" if fits_call else "; needs more than one call") + shared)
@@ -233,7 +241,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "runs/claims")), help="output folder ($OUT)")
     ap.add_argument("--smoke", action="store_true", help="scale 'smoke': tiny sizes, runs on a CPU")
-    ap.add_argument("--only", default=",".join(NOTEBOOKS), help="notebook numbers, e.g. 01,06 (default all three)")
+    ap.add_argument("--only", default=",".join(NOTEBOOKS), help="notebook numbers, e.g. 01,06 (default all)")
     ap.add_argument("--jobs", type=int, default=1, help="notebooks at once (default 1: notebooks sharing a GPU slow "
                     "each other 2.5-4x)")
     ap.add_argument("--deadline", type=float, default=CALL_S - 60.0, help="seconds from start after which nothing runs")
