@@ -174,3 +174,14 @@ def test_decoder_keeps_at_most_max_kept_buffer_sets(model):
         dec.decode(prefill(model, prompts([4])), 3 + n)
     assert len(dec.kept) == MAX_KEPT
     assert max(k[2] for k in dec.kept) == 3 + MAX_KEPT + 1  # the newest stays
+
+
+def test_static_with_prefix_cache_equals_eager(model):
+    from k3lab.infer import PrefixCache
+
+    doc = prompts([48], seed=5)[0]
+    rows = [doc + q for q in prompts([3, 6], seed=6)]
+    eager = generate(model, rows, 8, eos_token_id=None)
+    cache = PrefixCache(model, block_tokens=16)
+    generate(model, rows[:1], 2, eos_token_id=None, prefix_cache=cache)  # fills the cache with the document
+    assert generate(model, rows, 8, eos_token_id=None, prefix_cache=cache, decoder="static") == eager
