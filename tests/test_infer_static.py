@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from k3lab.config import ModelConfig
-from k3lab.infer import StaticDecoder, generate, next_token_probs, prefill
+from k3lab.infer import GenerationStats, StaticDecoder, generate, next_token_probs, prefill
 from k3lab.infer import cache as hcache
 from k3lab.infer.sampling import counter_uniform, sample_seeded
 from k3lab.infer.static import BATCH_BUCKETS, allocate, batch_bucket, load, slots_for
@@ -184,4 +184,6 @@ def test_static_with_prefix_cache_equals_eager(model):
     eager = generate(model, rows, 8, eos_token_id=None)
     cache = PrefixCache(model, block_tokens=16)
     generate(model, rows[:1], 2, eos_token_id=None, prefix_cache=cache)  # fills the cache with the document
-    assert generate(model, rows, 8, eos_token_id=None, prefix_cache=cache, decoder="static") == eager
+    st = GenerationStats()
+    assert generate(model, rows, 8, eos_token_id=None, prefix_cache=cache, decoder="static", stats=st) == eager
+    assert st.cached_tokens >= 2 * 32  # both rows start from cached document blocks
