@@ -662,11 +662,16 @@ def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
     """``cfg``'s optimizer over ``model`` as :func:`fit` builds it (before any master-weight wrapping), for any
     layout. A foreach kernel takes one kind of tensor: where FSDP2's DTensor shards and plain tensors (EP expert
     slices, one-process parameters) mix, AdamW's groups are split by kind (:func:`_split_groups_by_kind`) and keep
-    the multi-tensor path (stepping ~450 shards one by one cost 5-10x the step on an H200), Muon's step one by one."""
-    kinds = {_is_dtensor(p) for p in model.parameters() if p.requires_grad}
+    the multi-tensor path (stepping ~450 shards one by one cost 5-10x the step on an H200), Muon's step one by one.
+    On CUDA, AdamW over DTensor shards is the fused one (``fused=True``; ``optimizer_kwargs`` may override it)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    kinds = {_is_dtensor(p) for p in params}
     mixed = len(kinds) > 1
+    kwargs = dict(cfg.optimizer_kwargs)
+    if cfg.optimizer == "adamw" and True in kinds and all(p.is_cuda for p in params):
+        kwargs.setdefault("fused", True)  # one fused kernel per group on the local shards (DTensor runs it shard-wise)
     optimizer = build_optimizer(model, cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=cfg.betas,
-                                foreach=False if mixed and cfg.optimizer != "adamw" else None, **cfg.optimizer_kwargs)
+                                foreach=False if mixed and cfg.optimizer != "adamw" else None, **kwargs)
     if mixed and type(optimizer) is torch.optim.AdamW:
         _split_groups_by_kind(optimizer)
     return optimizer

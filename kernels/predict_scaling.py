@@ -668,6 +668,41 @@ def fsdp_expected_bytes(model: nn.Module) -> dict:
     return {"all_gather": ag, "reduce_scatter": rs}
 
 
+def profile_step(step, device: torch.device, top: int) -> dict:
+    """One ``step()`` under ``torch.profiler``: its wall time, the summed kernel time, the kernel count and the
+    ``top`` ops by self device time and by self host time (name, calls, ms)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    _sync(device)
+    t0 = time.perf_counter()
+    with profile(activities=activities) as prof:
+        step()
+        _sync(device)
+    wall = time.perf_counter() - t0
+    events = prof.key_averages()
+    dev_time = lambda e: getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0))  # noqa: E731
+    kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    by_dev = sorted(events, key=dev_time, reverse=True)[:top]
+    by_host = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+    return dict(wall_ms=1e3 * wall, kernel_ms=sum(k.device_time_total for k in kernels) / 1e3 if kernels else None,
+                kernels=len(kernels),
+                top_device=[(e.key[:90], e.count, dev_time(e) / 1e3) for e in by_dev],
+                top_host=[(e.key[:90], e.count, e.self_cpu_time_total / 1e3) for e in by_host])
+
+
+def print_profile(row: dict) -> None:
+    prof = row.get("profile")
+    if not prof:
+        return
+    print(f"\n### profile of one step: {row['config']}: wall {prof['wall_ms']:.1f} ms, {prof['kernels']} kernels, "
+          f"kernel time {_fmt(prof['kernel_ms'])} ms")
+    for title, key in (("self device ms", "top_device"), ("self host ms", "top_host")):
+        print(f"{title:>15s} | calls | op")
+        for name, calls, ms in prof[key]:
+            print(f"{ms:15.2f} | {calls:5d} | {name}")
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -831,6 +866,8 @@ def run_config(spec: Spec, args, *, process_group: str = "fake") -> dict:
             times.append(time.perf_counter() - t0)
             losses.append(loss)
             fwd_bwd.append(t_fb)
+        if args.profile:  # one more step under the profiler: where this rank's step spends its GPU and host time
+            row["profile"] = profile_step(step, device, args.profile)
         if process_group == "real":  # the slowest rank sets the step
             t = torch.tensor(times, dtype=torch.float64, device=device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -1047,6 +1084,8 @@ def main(argv=None) -> int:
                         help="under torchrun (WORLD_SIZE > 1): real groups, measured steps (implied by WORLD_SIZE > 1)")
     parser.add_argument("--predicted", default=None, help="a fake-group run's --json, printed beside --measured rows")
     parser.add_argument("--raise-errors", action="store_true", help="stop at the first failing config")
+    parser.add_argument("--profile", type=int, default=0, metavar="TOP",
+                        help="profile one more step per config and print its TOP ops by device and host time")
     args = parser.parse_args(argv)
 
     names = expand_configs(args.configs) if args.configs else [
@@ -1063,6 +1102,8 @@ def main(argv=None) -> int:
     else:
         rows = run_all(specs, args)
     _save(rows, args.json)
+    for row in rows:
+        print_profile(row)
     print(f"\nlink model {link.name}: {link.note}")
     if measured and args.predicted:
         with open(args.predicted) as f:

@@ -409,3 +409,68 @@ def test_evaluation_under_the_plan_equals_one_process():
     assert ranks[0] == ranks[1] and ranks[0][0] == steps == [2, 3]
     for a, b in zip(ranks[0][1], ref):
         assert abs(a - b) / b < 1e-5, (ranks[0][1], ref)
+
+
+@pytest.mark.gpu
+def test_master_step_on_cuda_shards_is_the_one_gpu_step():
+    """The fused master step (the Triton kernel) on CUDA DTensor shards: rank 0 of a 2-rank group (PyTorch's fake
+    process group; no second GPU needed) steps the first rows of each parameter exactly as the one-GPU step of the
+    whole tensors steps them, for bf16 moments and split masters, three steps with clipping active (the same
+    global norm given to both: the fake group does not sum it)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from k3lab.optim import build_optimizer
+    from k3lab.precision import MasterWeightOptimizer
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    world = 2
+    dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
+    try:
+        mesh = init_device_mesh("cuda", (world,))
+
+        def first_rows(t):  # rank 0's Shard(0) chunk (torch.chunk: ceil(n / world) rows)
+            return t.chunk(world, 0)[0]
+
+        def sharded_copy(model):
+            out = _toy_bf16().cuda()
+            for (_, p), (mod, name) in zip(model.named_parameters(),
+                                           [(m, n) for m in out.modules() for n, _ in m.named_parameters(recurse=False)]):
+                local = first_rows(p.detach()).clone()
+                setattr(mod, name, torch.nn.Parameter(DTensor.from_local(local, mesh, [Shard(0)], run_check=False,
+                                                                         shape=p.shape, stride=p.stride())))
+            return out
+
+        for name, kw in MASTER_SETTINGS.items():
+            def build(model):
+                return MasterWeightOptimizer(model, build_optimizer(model, "adamw", lr=3e-2, weight_decay=0.1), **kw)
+
+            one = _toy_bf16().cuda()
+            sharded = sharded_copy(one)
+            opt_one, opt_sharded = build(one), build(sharded)
+            assert opt_one.kernel and opt_sharded.kernel, (name, opt_one.why_not_fused(), opt_sharded.why_not_fused())
+            for step in range(3):
+                gen = torch.Generator().manual_seed(step)
+                for p, q in zip(one.parameters(), sharded.parameters()):
+                    p.grad = torch.randn(p.shape, generator=gen).to(torch.bfloat16).cuda()
+                    q.grad = DTensor.from_local(first_rows(p.grad).clone(), mesh, [Shard(0)], run_check=False,
+                                                shape=p.shape, stride=p.stride())
+                for group in (*opt_one.param_groups, *opt_sharded.param_groups):
+                    group["lr"] = 3e-2 / (step + 1)
+                norm = torch.stack([p.grad.double().pow(2).sum() for p in one.parameters()]).sum().sqrt()
+                opt_one.clip_grad_norm_(0.5, norm=norm)
+                opt_sharded.clip_grad_norm_(0.5, norm=norm.clone())
+                opt_one.step()
+                opt_sharded.step()
+                for (pn, p), q in zip(one.named_parameters(), sharded.parameters()):
+                    assert torch.equal(first_rows(p.detach()), q.to_local()), (name, step, pn)
+                for w, v in zip(opt_one.masters, opt_sharded.masters):
+                    for k in ("exp_avg", "exp_avg_sq"):
+                        local = opt_sharded.state[v][k]
+                        local = local.to_local() if hasattr(local, "to_local") else local
+                        assert torch.equal(first_rows(opt_one.state[w][k]), local), (name, step, k)
+    finally:
+        dist.destroy_process_group()

@@ -238,8 +238,12 @@ class ExpertParallelDispatcher:
     1. sort the S·K local slots by expert, all-gather the counts → ``tpe [R, E]``, plan;
     2. each slot's destination from its global position (step 4); all-to-all the rows there;
     3. (MoonEP) all-to-all the replica weights from their home ranks;
-    4. group the received rows by expert, run ``experts(rows, counts, bank weights)`` on the bank
-       ``[home experts; replicas]``, all-to-all the outputs back, combine ``Σ_j p_j·y_j``.
+    4. group the received rows by expert, home experts first, then the replicas; run the home experts on their
+       rows with their own weights and (MoonEP) the replicas on theirs with the fetched weights; all-to-all the
+       outputs back, combine ``Σ_j p_j·y_j``.
+
+    One host sync per forward (the split sizes), taken after the source side is queued. When no rank of the
+    group lends an expert (balanced routing) no weight moves and step 3 is skipped on every rank.
 
     Records ``last_plan`` (:class:`MoonEPPlan`) and ``last_slots_per_rank`` ([R] int64).
     """
@@ -275,10 +279,14 @@ class ExpertParallelDispatcher:
         n_in = _overlap(src_start, src_end, dst_start[:, r], dst_end[:, r])               # [R(s), E] to me
         rep = plan.replicas                                                               # [E, R]
         w_rows = rep.view(R, El, R).sum(1)                                                # [R(h), R(d)]
-        sizes = torch.stack([n_out.sum(0), n_in.sum(1), w_rows[r], w_rows[:, r], tpe.sum(1)])  # [5, R]
-        send, recv, w_send, w_recv, slots_in = sizes.tolist()                            # the one host sync
-        if self.kind == "moonep":
-            check_equal_tokens(slots_in, K)
+        n_home = n_in[:, r * El:(r + 1) * El].sum()                                       # my rows of home experts
+        sizes = torch.cat([n_out.sum(0), n_in.sum(1), w_rows[r], w_rows[:, r], tpe.sum(1),
+                           torch.stack([n_home, w_rows.sum()])])                          # [5·R + 2]
+        if sizes.is_cuda:  # copy to pinned memory without blocking; the source side below needs no host value
+            host, ready = sizes.to("cpu", non_blocking=True), torch.cuda.Event()
+            ready.record()
+        else:
+            host, ready = sizes, None
 
         # source side: slot i (sorted by expert e, position p among my slots of e) sits at global
         # position g = start_r(e) + p of expert e's slots; its destination d is where g falls in cumsum(alloc[e])
@@ -287,10 +295,22 @@ class ExpertParallelDispatcher:
         g = src_start[r].index_select(0, e_sorted) + pos                                  # [S·K]
         dst = (g[:, None] >= dst_end.index_select(0, e_sorted)).sum(1)                    # [S·K] destination
         send_slots = order.index_select(0, dst.argsort(stable=True))                      # [S·K] by (d, e, p)
-        x_recv = all_to_all(z.index_select(0, send_slots // K), recv, send, self.group)   # [Σ recv, L] (s, e, p)
+        x_send = z.index_select(0, send_slots // K)                                       # [S·K, L] by (d, e, p)
+
+        if ready is not None:
+            ready.synchronize()
+        host = host.tolist()                                                              # the one host sync
+        send, recv, w_send, w_recv, slots_in = (host[i * R:(i + 1) * R] for i in range(5))
+        n_home, n_replica_rows = host[5 * R:]
+        if self.kind == "moonep":
+            check_equal_tokens(slots_in, K)
+        x_recv = all_to_all(x_send, recv, send, self.group)                               # [Σ recv, L] (s, e, p)
 
         # destination side: rows grouped by bank expert [home experts; replicas]
-        bank_ids, weights = self._bank(experts, rep, w_send, w_recv)
+        rep_ids, rep_weights = self._replicas(experts, rep, w_send, w_recv) if n_replica_rows else (None, None)
+        bank_ids = torch.arange(r * El, (r + 1) * El, device=dev)                         # [El] home experts
+        if rep_ids is not None:
+            bank_ids = torch.cat([bank_ids, rep_ids])                                     # [El + n_rep]
         bank_of = torch.full((E,), -1, dtype=torch.int64, device=dev)
         bank_of.scatter_(0, bank_ids, torch.arange(bank_ids.numel(), device=dev))       # [E] expert -> bank row
         row_expert = torch.arange(E, device=dev).repeat(R).repeat_interleave(n_in.reshape(-1), output_size=sum(recv))
@@ -298,7 +318,13 @@ class ExpertParallelDispatcher:
         perm = row_bank.argsort(stable=True)                                              # [Σ recv] by bank expert
         bank_counts = torch.zeros(bank_ids.numel(), dtype=torch.int64, device=dev).index_add_(
             0, row_bank, torch.ones_like(row_bank))                                       # [El + n_rep]
-        y = experts(x_recv.index_select(0, perm), bank_counts, weights)                  # [Σ recv, L]
+        x_sorted = x_recv.index_select(0, perm)                                           # [Σ recv, L]
+        y = experts(x_sorted[:n_home], bank_counts[:El])                                  # home experts, own weights
+        if rep_weights is not None:  # the replicas with the fetched weights: no copy of the home experts' weights
+            if sum(w_recv):
+                y = torch.cat([y, experts(x_sorted[n_home:], bank_counts[El:], rep_weights)])
+            else:  # a rank that only lends: autograd must still reach its all-to-all (the backward is a collective)
+                y = y + sum(w.sum() for w in rep_weights) * 0
         y_recv = torch.zeros_like(y).index_copy(0, perm, y)                               # (s, e, p) order
         y_back = all_to_all(y_recv, send, recv, self.group)                               # [S·K, L] send order
 
@@ -306,24 +332,22 @@ class ExpertParallelDispatcher:
         dplan = DispatchPlan(send_slots, counts, S, K, data=dict(plan=plan, send=send, recv=recv))
         return self._local.combine(y_back, dplan, topk_weight)                            # [S, L] fp32
 
-    def _bank(self, experts: RoutedExperts, rep: Tensor, w_send: list[int], w_recv: list[int]):
-        """(bank_ids [El + n_rep] global expert ids, weights or None): this rank's home experts, then
-        (MoonEP) the replicas fetched from their home ranks by an autograd all-to-all (ascending ids)."""
+    def _replicas(self, experts: RoutedExperts, rep: Tensor, w_send: list[int], w_recv: list[int]):
+        """(rep_ids [n_rep] global expert ids ascending, (w1, w3, w2) of those experts): the weights of the
+        experts this rank computes away from their home, fetched by an autograd all-to-all whose backward
+        returns the replicas' gradients home. Called on every rank when any rank of the group has a replica.
+        Only the lent experts' rows are gathered, one weight at a time (at K3 widths the home experts of
+        one rank are 112 × 3 × 11.0M values: flattening them into one tensor made 3.7G elements)."""
         R, r, El = self.num_ranks, self.rank, self.num_local
-        dev = experts.w1.device
-        home_ids = torch.arange(r * El, (r + 1) * El, device=dev)                        # [El]
-        if self.kind == "ep":
-            return home_ids, None
         own = (experts.w1, experts.w3, experts.w2)                                        # [El, I, L] ×2, [El, L, I]
-        rows = torch.cat([w.flatten(1) for w in own], 1)                                  # [El, 3·I·L]
         mine = rep[r * El:(r + 1) * El].T.reshape(-1)                                    # [R·El] (d, local e) lent
         pick = mine.logical_not().to(torch.int32).argsort(stable=True)[:sum(w_send)] % El  # [Σ w_send] d-major
-        got = all_to_all(rows.index_select(0, pick), w_recv, w_send, self.group)         # [n_rep, 3·I·L]
+        rows = torch.cat([w.index_select(0, pick).flatten(1) for w in own], 1)           # [Σ w_send, 3·I·L]
+        got = all_to_all(rows, w_recv, w_send, self.group)                               # [n_rep, 3·I·L]
         n_rep = sum(w_recv)
         rep_ids = rep[:, r].logical_not().to(torch.int32).argsort(stable=True)[:n_rep]   # [n_rep] ascending
         parts = got.split([w[0].numel() for w in own], 1)
-        weights = tuple(torch.cat([w, p.view(n_rep, *w.shape[1:])]) for w, p in zip(own, parts))
-        return torch.cat([home_ids, rep_ids]), weights
+        return rep_ids, tuple(p.view(n_rep, *w.shape[1:]) for w, p in zip(own, parts))
 
 
 # ----------------------------------------------------------------------------------------------
