@@ -136,7 +136,8 @@ def test_measured_seconds_match_the_runs_files_and_each_notebook_fits_a_call():
             continue
         records = [json.loads(line) for line in (ROOT / "notebooks" / "gpu_runs" / m["runs_file"]).read_text().splitlines()]
         seconds = [r["seconds"] for r in records]
-        assert abs(seconds[0] - m["first"]) < 0.5 and abs(max(seconds[1:]) - m["per_run"]) < 0.5, (nb, seconds)
+        assert abs(seconds[0] - m["first"]) < 0.5 and abs(sum(seconds[1:]) / len(seconds[1:]) - m["per_run"]) < 0.5, (
+            nb, seconds)
     for nb in run_claims.NOTEBOOKS:
         p = run_claims.plan_seconds(nb, SCALES[nb]["gpu"])
         assert p["alone"] <= SCALES[nb]["gpu"]["budget_s"], (nb, p)  # 3 seeds fit the budget at the measured speed

@@ -70,3 +70,35 @@ def train_mqar(mixer: str, pairs_grid=(2, 4, 8, 16), *, vocab_size: int = 64, se
         accuracy[pairs] = recall_accuracy(model, inputs, labels)
     return {"accuracy": accuracy, "params": sum(p.numel() for p in model.parameters()),
             "seconds": result.elapsed, "final_loss": result.history[-1]["loss"]}
+
+
+def train_mqar_best_lr(mixer: str, pairs_grid, lrs, **kwargs) -> dict:
+    """:func:`train_mqar` at each learning rate in ``lrs``; returns the run with the highest mean recall over
+    ``pairs_grid`` (ties: the first), with ``"lr"`` (the one kept), ``"sweep"`` (``{lr: mean recall}``) and
+    ``"seconds"`` (all runs together) added.
+
+    Zoology's protocol for MQAR (Arora et al. 2023, "Zoology: measuring and improving recall in efficient language
+    models"): every architecture is trained at several learning rates and reported at its best, so that a ranking
+    does not reflect one learning rate that happens to suit one mixer. One lr is one run (``lrs=[lr]``).
+    """
+    if not lrs:
+        raise ValueError(f"lrs={lrs!r}: give at least one learning rate")
+    best, sweep, seconds = None, {}, 0.0
+    for lr in lrs:
+        r = train_mqar(mixer, pairs_grid, lr=lr, **kwargs)
+        mean = sum(r["accuracy"].values()) / len(r["accuracy"])
+        sweep[lr], seconds = mean, seconds + r["seconds"]
+        if best is None or mean > sweep[best["lr"]]:
+            best = dict(r, lr=lr)
+    return dict(best, sweep=sweep, seconds=seconds)
+
+
+def mqar_result_from_record(record: dict) -> dict:
+    """A :func:`train_mqar_best_lr` result read back from a JSON runs record (keys of ``accuracy`` are pair
+    counts, of ``sweep`` learning rates; JSON made them strings)."""
+    out = {k: record[k] for k in ("accuracy", "params", "seconds", "final_loss", "lr", "sweep") if k in record}
+    out["accuracy"] = {int(k): v for k, v in record["accuracy"].items()}
+    if "sweep" in out:
+        out["sweep"] = {float(k): v for k, v in out["sweep"].items()}
+    return dict(out, reused=record.get("time", "an earlier call"))
+

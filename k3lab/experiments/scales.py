@@ -30,17 +30,19 @@ GPU_MODEL = dict(hidden_size=256, linear_attn_config=dict(num_heads=4, head_dim=
 
 SCALES: dict[str, dict[str, dict]] = {
     # 01 · MQAR: KDA vs Gated DeltaNet vs Mamba2 (KL §5.1). GPU: two layers, 2 heads of 64 (a 64 x 64 state per
-    # head), 256-token rows with up to 64 key-value pairs (zoology's standard length), 1,000 steps of 128 rows.
+    # head), 256-token rows with up to 64 key-value pairs (zoology's standard length), 1,000 steps of 128 rows, each
+    # mixer at its better of two learning rates (``lrs``, zoology's sweep: Gated DeltaNet stalled at 3e-3 alone on
+    # 2026-12-04). ``lrs`` None: the one ``lr``.
     "01": {
         "cpu": dict(pairs_grid=[1, 2, 4, 8], steps=200, d_model=32, seq_len=32, n_layers=1, batch_size=32,
-                    chunk_size=8, vocab_size=64, lr=1e-2, seeded=["kda", "gated_deltanet"], cuda_graph=False,
-                    budget_s=None),
+                    chunk_size=8, vocab_size=64, lr=1e-2, lrs=None, seeded=["kda", "gated_deltanet"],
+                    cuda_graph=False, budget_s=None),
         "gpu": dict(pairs_grid=[8, 16, 32, 64], steps=1000, d_model=128, seq_len=256, n_layers=2, batch_size=128,
-                    chunk_size=64, vocab_size=256, lr=3e-3, seeded=["kda", "gated_deltanet", "mamba2"],
-                    cuda_graph=True, budget_s=360),
+                    chunk_size=64, vocab_size=256, lr=3e-3, lrs=[1e-3, 3e-3],
+                    seeded=["kda", "gated_deltanet", "mamba2"], cuda_graph=True, budget_s=420),
         "smoke": dict(pairs_grid=[2, 4], steps=12, d_model=16, seq_len=16, n_layers=1, batch_size=8, chunk_size=8,
-                      vocab_size=32, lr=1e-2, seeded=["kda", "gated_deltanet", "mamba2"], cuda_graph=True,
-                      budget_s=240),
+                      vocab_size=32, lr=1e-2, lrs=[3e-3, 1e-2], seeded=["kda", "gated_deltanet", "mamba2"],
+                      cuda_graph=True, budget_s=240),
     },
     # 05 · NoPE vs RoPE in the MLA layers of the hybrid (NOPE-2). GPU: K3's 3:1 schedule in 4 layers at D = 256,
     # trained on 256-token rows, passkey at 1x-8x (up to 2,048 tokens).
@@ -116,7 +118,7 @@ class Budget:
     which it skipped, instead of being cut mid-cell by the caller's timeout."""
 
     def __init__(self, seconds: float | None):
-        self.seconds, self.start, self.durations, self.skipped = seconds, time.perf_counter(), [], []
+        self.seconds, self.start, self.durations, self.skipped, self.earlier = seconds, time.perf_counter(), [], [], []
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
@@ -124,11 +126,15 @@ class Budget:
     def allows(self, reserve: int = 0) -> bool:
         if self.seconds is None:
             return True
-        per_run = max(self.durations[1:] or self.durations, default=0.0)
+        per_run = max(self.durations[1:] + self.earlier or self.durations, default=0.0)
         return self.elapsed() + per_run * (1 + reserve) <= self.seconds
 
     def took(self, seconds: float) -> None:
         self.durations.append(seconds)
+
+    def took_earlier(self, seconds: float) -> None:
+        """A run reused from an earlier call (:meth:`RunLog.finished`): its time informs the prediction only."""
+        self.earlier.append(seconds)
 
     def note(self) -> str:
         """One line: runs done, time used, runs skipped for the budget."""
@@ -136,6 +142,12 @@ class Budget:
             return f"{len(self.durations)} runs in {self.elapsed():.0f} s (no time budget)"
         skipped = f"; skipped for the budget: {', '.join(map(str, self.skipped))}" if self.skipped else ""
         return f"{len(self.durations)} runs in {self.elapsed():.0f} s of a {self.seconds:.0f} s budget{skipped}"
+
+
+def run_sizes(sizes: dict) -> dict:
+    """The sizes that decide a run's result (a scale's sizes without its time budget): what a runs record keeps
+    under ``sizes`` and what :meth:`RunLog.finished` matches."""
+    return {k: v for k, v in sizes.items() if k != "budget_s"}
 
 
 def complete_seeds(done, variants, seeds) -> list:
@@ -153,7 +165,9 @@ def seed_major(variants, seeds) -> list[tuple]:
 # ----------------------------------------------------------------------------------------------
 class RunLog:
     """Finished runs appended to a JSON-lines file as they finish (``path=None``: nothing is written), so a
-    call cut by its time limit still leaves every run that finished; ``load()`` reads them back."""
+    call cut by its time limit still leaves every run that finished; ``load()`` reads them back, and
+    ``finished(sizes)`` gives the runs an earlier call made at the same sizes, so a notebook run again on the same
+    file trains only what is missing (``notebooks/gpu_runs/run_claims.py --resume``)."""
 
     def __init__(self, path: str | Path | None, notebook: str, scale: str):
         self.path, self.notebook, self.scale = (Path(path) if path else None), notebook, scale
@@ -171,6 +185,13 @@ class RunLog:
         if self.path is None or not self.path.is_file():
             return []
         return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+
+    def finished(self, sizes: dict) -> dict[tuple[str, int], dict]:
+        """``{(variant, seed): record}`` of this notebook and scale whose recorded ``sizes`` equal ``sizes`` (as
+        JSON); the later record wins. A record without ``sizes`` never matches."""
+        want = json.loads(json.dumps(sizes, default=_jsonable))
+        return {(r["variant"], r["seed"]): r for r in self.load()
+                if r.get("notebook") == self.notebook and r.get("scale") == self.scale and r.get("sizes") == want}
 
 
 def _jsonable(value):

@@ -5,6 +5,7 @@ From the repository root on the GPU machine (k3lab importable, papermill and ipy
     python notebooks/gpu_runs/run_claims.py --plan                        # measured seconds: what fits in one call
     python notebooks/gpu_runs/run_claims.py --out "$OUT" --only 01          # scale "gpu": one notebook per device call
     python notebooks/gpu_runs/run_claims.py --out /tmp/claims --smoke       # scale "smoke": the same pipeline on a CPU
+    python notebooks/gpu_runs/run_claims.py --out "$OUT" --only 01 --resume notebooks/gpu_runs   # train what is missing
 
 Each notebook runs as ``papermill <notebook> OUT/<notebook> -p scale gpu -p runs_file OUT/<name>.runs.jsonl
 -p budget_s B``, in its own process and kernel, one at a time (``--jobs``, default 1: on 2026-12-04 three notebooks
@@ -46,21 +47,22 @@ OVERHEAD_S = 45.0  # per notebook outside its training budget: kernel start, imp
 # Seconds per training run measured on one NVIDIA H200 on 2026-12-04 (torch 2.11.0+cu130), from the committed
 # runs files (``notebooks/gpu_runs/NN_*.runs.jsonl``, ``seconds``; ``tests/test_gpu_runs.py`` checks they agree) and,
 # for 06, whose runs file did not come back, its progress bar. ``first``: the notebook's first run, which also
-# compiles Triton kernels and captures CUDA graphs; ``per_run``: a later run; ``steps``: the steps they ran;
+# compiles Triton kernels and captures CUDA graphs; ``per_run``: the mean of the later runs; ``steps``: the steps they ran;
 # ``shared``: the notebook ran with two others on the same GPU (``--jobs 3``). Shared runs were 2.5-4x slower:
 # 05's runs took 58.8-64.9 s at 800 steps shared, 14.4-14.7 s at 500 alone (0.073-0.081 vs 0.029 s a step).
 SHARED_SLOWDOWN = 2.5  # the smallest ratio seen; a shared measurement divided by it is an optimistic "alone" figure
 MEASURED = {
-    "01": dict(steps=1000, shared=True, first=115.4, per_run=40.1,  # KDA 115.4 s (with compile), GDN 40.1, Mamba2 31.6
+    # 01: a run is the better of two learning rates (two trainings): KDA 60-96 s (96.3 the first, with compilation),
+    # Gated DeltaNet 27-28 s, Mamba2 19-20 s, linear attention 18 s, RetNet 39 s (an earlier call, sharing the GPU at
+    # one lr: KDA 115.4, GDN 40.1, Mamba2 31.6 s)
+    "01": dict(steps=1000, shared=False, first=96.3, per_run=32.1,
                runs_file="01_linear_attention_lineage.runs.jsonl"),
-    "05": dict(steps=500, shared=False, first=47.0, per_run=15.7,  # 7 later runs 11.0-15.7 s; 8 runs in 146 s
+    "05": dict(steps=500, shared=False, first=47.0, per_run=14.2,  # 7 later runs 11.0-15.7 s; 8 runs in 146 s
                runs_file="05_nope_vs_rope.runs.jsonl"),
     "06": dict(steps=300, shared=False, first=65.5, per_run=31.0,  # 4 runs: 65, 78, 66 s shared, then 31 s alone
                runs_file=None),
-    # 07 is not measured yet: ESTIMATED from 05's alone runs (the same D = 256, 4 layers, 500 steps of 64 x 256 tokens:
-    # 11-16 s a run, 47 s the first), doubled for the MoE layers (routing, QB balancer, dispatch and combine, two
-    # expert GEMM groups). Replace with the runs file's seconds after the first GPU run.
-    "07": dict(steps=500, shared=False, first=60.0, per_run=30.0, runs_file=None, estimated=True),
+    "07": dict(steps=500, shared=False, first=19.1, per_run=13.8,  # 5 later runs 12.4-15.6 s (estimated 30 s before)
+               runs_file="07_latent_moe_and_situ.runs.jsonl"),
 }
 
 
@@ -246,6 +248,9 @@ def main(argv=None) -> int:
                     "each other 2.5-4x)")
     ap.add_argument("--deadline", type=float, default=CALL_S - 60.0, help="seconds from start after which nothing runs")
     ap.add_argument("--grace", type=float, default=60.0, help="seconds past a notebook's budget before it is killed")
+    ap.add_argument("--resume", type=Path, default=None, metavar="DIR",
+                    help="start each notebook's runs file from DIR/<notebook>.runs.jsonl (e.g. notebooks/gpu_runs): "
+                         "runs logged there at the same sizes are reused, only the missing ones train")
     ap.add_argument("--kernel", default="python3")
     ap.add_argument("--plan", action="store_true", help="print the measured seconds and what fits in a call; exit")
     ap.add_argument("--estimate", action="store_true", help="--plan, then the FLOP-based estimate; exit")
@@ -289,6 +294,8 @@ def main(argv=None) -> int:
             if budget < 30:
                 results[nb] = dict(status="not run (no time left)", seconds=0.0, params={}, command="")
                 continue
+            if args.resume is not None and (args.resume / f"{name}.runs.jsonl").is_file():
+                (args.out / f"{name}.runs.jsonl").write_text((args.resume / f"{name}.runs.jsonl").read_text())
             params = dict(scale=scale, runs_file=str((args.out / f"{name}.runs.jsonl").resolve()),
                           budget_s=float(round(budget)))
             sizes[nb] = {k: v for k, v in SCALES[nb][scale].items() if k != "model"}
