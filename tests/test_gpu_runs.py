@@ -98,6 +98,30 @@ def test_budget_cuts_whole_seeds(tmp_path):
     assert log.load()[0]["variant"] == "PreNorm" and RunLog(None, "06", "cpu").load() == []
 
 
+def test_a_resumed_notebook_reuses_runs_logged_at_the_same_sizes_only(tmp_path):
+    """run_claims.py --resume: RunLog.finished gives the runs of this notebook and scale logged at equal sizes (the
+    time budget aside), the later record winning; their seconds inform the budget's prediction, not its elapsed time;
+    an MQAR record reads back with int pair counts and float learning rates."""
+    from k3lab.experiments.mqar import mqar_result_from_record
+    from k3lab.experiments.scales import run_sizes
+
+    sizes = dict(SCALES["01"]["gpu"])
+    log = RunLog(tmp_path / "runs.jsonl", "01", "gpu")
+    result = dict(accuracy={8: 0.5, 16: 0.25}, params=10, seconds=30.0, final_loss=1.0, lr=1e-3, sweep={1e-3: 0.4, 3e-3: 0.3})
+    log.add("kda", 0, sizes=run_sizes(sizes), **result)
+    log.add("kda", 1, sizes=run_sizes(dict(sizes, steps=999)), **result)            # other sizes: not reused
+    log.add("mamba2", 0, **result)                                                  # no sizes recorded: not reused
+    RunLog(tmp_path / "runs.jsonl", "05", "gpu").add("kda", 2, sizes=run_sizes(sizes), **result)  # another notebook
+    log.add("kda", 0, sizes=run_sizes(dict(sizes, budget_s=1.0)), **dict(result, seconds=20.0))  # budget aside: later wins
+    done = log.finished(run_sizes(sizes))
+    assert list(done) == [("kda", 0)] and done[("kda", 0)]["seconds"] == 20.0
+    back = mqar_result_from_record(done[("kda", 0)])
+    assert back["accuracy"] == {8: 0.5, 16: 0.25} and back["sweep"] == {1e-3: 0.4, 3e-3: 0.3} and back["reused"]
+    budget = Budget(100.0)
+    budget.took_earlier(40.0)
+    assert budget.allows(reserve=1) and not budget.allows(reserve=2) and budget.durations == []
+
+
 def test_ledger_check_reads_verdicts_and_finds_disagreements(tmp_path):
     check_ledger = _load("check_ledger")
     nb = {"cells": [{"cell_type": "code", "outputs": [{"output_type": "stream", "name": "stdout", "text": [
@@ -155,3 +179,16 @@ def test_executed_gpu_notebooks_agree_with_the_ledger():
     if not check_ledger.executed_notebooks():
         pytest.skip("no executed GPU notebooks committed yet")
     assert check_ledger.check() == []
+
+
+def test_best_lr_keeps_the_run_with_the_highest_mean_recall():
+    from k3lab.experiments.mqar import train_mqar, train_mqar_best_lr
+
+    kw = dict(vocab_size=16, seq_len=16, d_model=8, steps=6, batch_size=4, test_examples=8, chunk_size=8)
+    best = train_mqar_best_lr("kda", (1, 2), [1e-3, 3e-2], seed=0, **kw)
+    alone = {lr: train_mqar("kda", (1, 2), lr=lr, seed=0, **kw) for lr in (1e-3, 3e-2)}
+    means = {lr: sum(r["accuracy"].values()) / 2 for lr, r in alone.items()}
+    assert best["sweep"] == means and best["lr"] == max(means, key=means.get)  # ties: the first
+    assert best["accuracy"] == alone[best["lr"]]["accuracy"]
+    with pytest.raises(ValueError, match="lrs"):
+        train_mqar_best_lr("kda", (1,), [], **kw)
