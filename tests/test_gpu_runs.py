@@ -118,8 +118,22 @@ def test_a_resumed_notebook_reuses_runs_logged_at_the_same_sizes_only(tmp_path):
     back = mqar_result_from_record(done[("kda", 0)])
     assert back["accuracy"] == {8: 0.5, 16: 0.25} and back["sweep"] == {1e-3: 0.4, 3e-3: 0.3} and back["reused"]
     budget = Budget(100.0)
-    budget.took_earlier(40.0)
+    budget.took_earlier(40.0, variant="kda")
     assert budget.allows(reserve=1) and not budget.allows(reserve=2) and budget.durations == []
+    assert budget.by_variant == {"kda": 40.0}
+
+
+def test_budget_predicts_each_variant_by_its_own_runs():
+    """Notebook 01 on an H200: KDA runs took 60 s, Mamba2 20 s; the lineage's extra mixers at seed 0 may run only if
+    the seeds still to come fit, each at its own speed (the longest run alone would under- or over-reserve)."""
+    budget = Budget(200.0)
+    for variant, seconds in (("kda", 60.0), ("mamba2", 20.0), ("linear", 18.0)):
+        budget.took(seconds, variant=variant)
+        budget.start -= seconds                                                         # 98 s elapsed
+    assert budget.allows(variant="mamba2", upcoming=["kda"])                            # 98 + 20 + 60 = 178
+    assert not budget.allows(variant="mamba2", upcoming=["kda", "kda"])                 # 98 + 20 + 120 = 238
+    assert not budget.allows(variant="kda", upcoming=["kda"])                           # 98 + 120 = 218
+    assert budget.allows(upcoming=["mamba2"]) and not budget.allows(upcoming=["kda", "kda"])  # unnamed: 20 s
 
 
 def test_ledger_check_reads_verdicts_and_finds_disagreements(tmp_path):

@@ -111,30 +111,40 @@ def resolve_scale(notebook: str, scale: str, namespace: dict) -> dict:
 class Budget:
     """A wall-clock budget for a notebook's training runs (``seconds=None``: unlimited).
 
-    ``allows(reserve)`` says whether one more run fits, predicting a run's time as the longest one so far after
-    the first (which also compiles kernels and captures graphs: 47 s against 14-16 s for 05 on an H200; it is the
-    prediction only while it is the one run measured), with room left for ``reserve`` more runs after it; ``took(seconds)`` records a finished run. A notebook that asks
-    before each run finishes within its budget (give or take one run) with the runs it had time for, and says
+    ``allows(reserve, variant=None, upcoming=())`` says whether one more run fits with room left for the runs after
+    it, and ``took(seconds, variant=None)`` records a finished run. A run is predicted by the latest run of its
+    variant when the notebook names variants (their speeds differ: on an H200 notebook 01's KDA runs took 60 s, its
+    Mamba2 runs 20 s), else by the longest run so far after the first (which also compiles kernels and captures
+    graphs: 47 s against 14-16 s for 05; it is the prediction only while it is the one run measured); ``reserve``
+    more runs are predicted that way, and the variants in ``upcoming`` each by its own latest run. A notebook that
+    asks before each run finishes within its budget (give or take one run) with the runs it had time for, and says
     which it skipped, instead of being cut mid-cell by the caller's timeout."""
 
     def __init__(self, seconds: float | None):
         self.seconds, self.start, self.durations, self.skipped, self.earlier = seconds, time.perf_counter(), [], [], []
+        self.by_variant: dict = {}
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
 
-    def allows(self, reserve: int = 0) -> bool:
+    def allows(self, reserve: int = 0, variant=None, upcoming=()) -> bool:
         if self.seconds is None:
             return True
         per_run = max(self.durations[1:] + self.earlier or self.durations, default=0.0)
-        return self.elapsed() + per_run * (1 + reserve) <= self.seconds
+        ahead = self.by_variant.get(variant, per_run) + per_run * reserve
+        ahead += sum(self.by_variant.get(v, per_run) for v in upcoming)
+        return self.elapsed() + ahead <= self.seconds
 
-    def took(self, seconds: float) -> None:
+    def took(self, seconds: float, variant=None) -> None:
         self.durations.append(seconds)
+        if variant is not None:
+            self.by_variant[variant] = seconds
 
-    def took_earlier(self, seconds: float) -> None:
+    def took_earlier(self, seconds: float, variant=None) -> None:
         """A run reused from an earlier call (:meth:`RunLog.finished`): its time informs the prediction only."""
         self.earlier.append(seconds)
+        if variant is not None:
+            self.by_variant.setdefault(variant, seconds)
 
     def note(self) -> str:
         """One line: runs done, time used, runs skipped for the budget."""
