@@ -77,7 +77,8 @@ def save(model: KimiLinearForCausalLM, path: Path, **kw) -> Path:
 
 
 def load_transformers(path: Path) -> KimiLinearForCausalLM:
-    model, info = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, output_loading_info=True)
+    model, info = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, output_loading_info=True,
+                                                        local_files_only=True)  # a local folder: never the hub
     assert info["missing_keys"] == set() or not info["missing_keys"], info["missing_keys"]
     assert not info["unexpected_keys"], info["unexpected_keys"]
     assert not info["mismatched_keys"], info["mismatched_keys"]
