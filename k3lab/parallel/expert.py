@@ -52,13 +52,17 @@ adversarial counts):
 Plain EP uses the same machinery with the trivial plan ``alloc[e, home(e)] = count_e``
 (:func:`plan_ep`): receive counts per rank are the uneven ``load_h``, no replicas.
 
-**Host syncs.** ``all_to_all_single`` takes python split lists, so each layer's forward copies one
-small ``[5, R]`` tensor of split sizes device → host (the dispatcher's only sync; the planner itself
-is pure torch on the device, loops over R only, and ties break to the lowest rank, identically on
-every rank). The backward adds none (the all-to-alls keep their split lists). The real MoonEP
-kernels avoid the sync with NVSHMEM; note that the per-rank *received* total is always exactly S·K,
-a static shape. The padded expert path (CPU) adds its own sync for the largest group. Replica
-weights travel in the parameters' dtype (at most E/R experts × 3·I·L values per rank and layer).
+**Host work, one sync.** ``all_to_all_single`` takes python split lists, so each layer's forward reads
+the all-gathered ``tpe [R, E]`` back to the host once; everything that follows from it is planned
+there, in numpy, identically on every rank (ties break to the lowest rank): the plan (at most R−1
+rounds), the route counts, the split sizes, and the two row orders, which are block permutations
+with host-known block sizes (one small host → device copy, then ``repeat_interleave`` on the device).
+Planning on the device instead cost ~280 tiny kernel launches a layer (forward; 2026-12-04), and a
+step that waits on the host once a layer is bound by its launches. The backward adds no sync (the
+all-to-alls keep their split lists). The real MoonEP kernels avoid the sync with NVSHMEM; note that
+the per-rank *received* total is always exactly S·K, a static shape. The padded expert path (CPU)
+adds its own sync for the largest group. Replica weights travel in the parameters' dtype (at most
+E/R experts × 3·I·L values per rank and layer).
 
 Use :func:`apply_expert_parallel` on a model (or one LatentMoE) built with the same seed on every
 rank: it slices ``experts.w1/w2/w3`` to the rank's home experts and installs the dispatcher. The
@@ -68,6 +72,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -161,52 +166,21 @@ def check_equal_tokens(slots_per_rank: list[int], top_k: int) -> None:
 
 def plan_ep(tpe: Tensor) -> MoonEPPlan:
     """Plain EP: every expert computed on its home rank, ``alloc[e, home(e)] = count_e``."""
-    R, E = _check_tpe(tpe)
-    home = torch.arange(E, device=tpe.device) // (E // R)                                 # [E]
-    count = tpe.sum(0)                                                                    # [E]
-    alloc = torch.zeros(E, R, dtype=torch.int64, device=tpe.device).scatter_(1, home[:, None], count[:, None])
-    quota = torch.zeros(R, R, dtype=torch.int64, device=tpe.device)
-    return MoonEPPlan("ep", tpe, alloc, quota, count.view(R, E // R).sum(1))
+    return _plan(tpe, _counts_np(tpe), "ep")
 
 
 def plan_moonep(tpe: Tensor, top_k: int, check: bool = True) -> MoonEPPlan:
     """MoonEP's balanced plan from the all-gathered counts ``tpe [R, E]`` (module docstring, steps 1–3).
 
-    Pure torch on ``tpe``'s device, R−1 rounds of a few small ops, no host sync unless ``check``
-    (which validates equal S·K per rank on the host; the dispatcher checks from its own host copy).
-    Every rank computes exactly ``CAP = S·K = tpe[r].sum()`` slots.
+    Host work: at most R−1 rounds of a few numpy ops on R × E integers (the dispatcher reads ``tpe``
+    back once per forward anyway, for the all-to-all split sizes, so planning on the device would only
+    add ~200 tiny kernel launches a layer). ``check`` validates equal S·K per rank. Every rank computes
+    exactly ``CAP = S·K = tpe[r].sum()`` slots. The plan's tensors live on ``tpe``'s device.
     """
-    R, E = _check_tpe(tpe)
-    El, dev = E // R, tpe.device
-    cap = tpe.sum(1)                                                                      # [R] S·K per rank
+    counts = _counts_np(tpe)
     if check:
-        check_equal_tokens(cap.tolist(), top_k)
-    remaining = tpe.sum(0).view(R, El).clone()                                            # [R, El] home slots kept
-    home_load = remaining.sum(1)                                                          # [R]
-    balance = home_load - cap[:1]                                                         # [R] surplus > 0 > deficit
-    moved = torch.zeros(R * El * R, dtype=torch.int64, device=dev)                        # [h, e_local, u] flat
-    local = torch.arange(El, device=dev)                                                  # [El]
-    for _ in range(R - 1):
-        u = balance.argmin().view(1)                                                      # [1] most underloaded
-        h = balance.argmax().view(1)                                                      # [1] most overloaded
-        need = (-balance.index_select(0, u)).clamp_min(0)                                 # [1] u's deficit (0: done)
-        balance = balance.index_add(0, u, need).index_add(0, h, -need)
-        rem = remaining.index_select(0, h)[0]                                             # [El]
-        vals, idx = rem.sort(descending=True, stable=True)                                # largest expert first
-        before = vals.cumsum(0) - vals                                                    # [El]
-        take = torch.zeros_like(rem).scatter_(0, idx, (need - before).clamp_min(0).minimum(vals))  # [El]
-        remaining = remaining.index_add(0, h, -take[None])
-        moved.index_add_(0, (h * El + local) * R + u, take)
-    moved = moved.view(R, El, R)
-    alloc = moved.reshape(E, R).clone()                                                   # [E, R] lent slots
-    home = torch.arange(E, device=dev) // El                                              # [E]
-    alloc.scatter_add_(1, home[:, None], remaining.view(E, 1))                            # + kept at home
-    return MoonEPPlan("moonep", tpe, alloc, moved.sum(1), home_load)
-
-
-def _overlap(a0: Tensor, a1: Tensor, b0: Tensor, b1: Tensor) -> Tensor:
-    """Length of [a0, a1) ∩ [b0, b1), elementwise with broadcasting."""
-    return (torch.minimum(a1, b1) - torch.maximum(a0, b0)).clamp_min(0)
+        check_equal_tokens(counts.sum(1).tolist(), top_k)
+    return _plan(tpe, counts, "moonep")
 
 
 def route_counts(plan: MoonEPPlan) -> Tensor:
@@ -216,9 +190,72 @@ def route_counts(plan: MoonEPPlan) -> Tensor:
     ``cumsum_s tpe[s, e]``; destinations take the intervals ``[start_d, end_d)`` of
     ``cumsum_d alloc[e, d]``; the count is the overlap (module docstring, step 4).
     """
-    src_end, dst_end = plan.tpe.cumsum(0), plan.alloc.cumsum(1)                          # [R, E], [E, R]
-    src, dst = (src_end - plan.tpe)[:, :, None], (dst_end - plan.alloc)[None]
-    return _overlap(src, src_end[:, :, None], dst, dst_end[None])
+    n = _route_counts_np(_counts_np(plan.tpe), plan.alloc.cpu().numpy())
+    return torch.from_numpy(n).to(plan.tpe.device)
+
+
+def _plan(tpe: Tensor, counts: np.ndarray, kind: str) -> MoonEPPlan:
+    alloc, quota, home_load = (_plan_moonep_np if kind == "moonep" else _plan_ep_np)(counts)
+    dev = tpe.device
+    return MoonEPPlan(kind, tpe, *(torch.from_numpy(a).to(dev) for a in (alloc, quota, home_load)))
+
+
+def _counts_np(tpe: Tensor) -> np.ndarray:
+    """The host copy of ``tpe [R, E]`` (validated) as int64 numpy."""
+    _check_tpe(tpe)
+    return tpe.detach().cpu().numpy().astype(np.int64, copy=False)
+
+
+def _plan_ep_np(tpe: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(alloc [E, R], quota [R, R], home_load [R]) of plain EP: ``alloc[e, home(e)] = count_e``."""
+    R, E = tpe.shape
+    count = tpe.sum(0)                                                                    # [E]
+    alloc = np.zeros((E, R), dtype=np.int64)
+    alloc[np.arange(E), np.arange(E) // (E // R)] = count
+    return alloc, np.zeros((R, R), dtype=np.int64), count.reshape(R, E // R).sum(1)
+
+
+def _plan_moonep_np(tpe: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(alloc [E, R], quota [R, R], home_load [R]) of MoonEP (module docstring, steps 1–3), on the host."""
+    R, E = tpe.shape
+    El = E // R
+    cap = int(tpe[0].sum())                                                               # S·K per rank
+    remaining = tpe.sum(0).reshape(R, El).copy()                                          # [R, El] home slots kept
+    home_load = remaining.sum(1)                                                          # [R]
+    balance = home_load - cap                                                             # [R] surplus > 0 > deficit
+    moved = np.zeros((R, El, R), dtype=np.int64)                                          # [h, e_local, u]
+    for _ in range(R - 1):
+        u, h = int(balance.argmin()), int(balance.argmax())                               # most under / overloaded
+        need = max(-int(balance[u]), 0)                                                   # u's deficit (0: done)
+        if need == 0:
+            break
+        balance[u] += need
+        balance[h] -= need
+        rem = remaining[h]                                                                # [El] (a view)
+        idx = np.argsort(-rem, kind="stable")                                             # largest expert first
+        vals = rem[idx]
+        before = np.cumsum(vals) - vals                                                   # [El]
+        take = np.zeros_like(rem)
+        take[idx] = np.minimum(np.maximum(need - before, 0), vals)                       # [El] water fill
+        rem -= take
+        moved[h, :, u] += take
+    alloc = moved.reshape(E, R).copy()                                                    # [E, R] lent slots
+    alloc[np.arange(E), np.arange(E) // El] += remaining.reshape(E)                       # + kept at home
+    return alloc, moved.sum(1), home_load
+
+
+def _route_counts_np(tpe: np.ndarray, alloc: np.ndarray) -> np.ndarray:
+    """[R(s), E, R(d)] slots of expert e that source rank s sends to destination rank d (:func:`route_counts`)."""
+    src_end, dst_end = tpe.cumsum(0), alloc.cumsum(1)                                    # [R, E], [E, R]
+    src, dst = (src_end - tpe)[:, :, None], (dst_end - alloc)[None]
+    return (np.minimum(src_end[:, :, None], dst_end[None]) - np.maximum(src, dst)).clip(min=0)
+
+
+def _replicas_np(alloc: np.ndarray) -> np.ndarray:
+    """[E, R] bool: rank d computes slots of expert e away from its home (so needs its weights)."""
+    E, R = alloc.shape
+    away = (np.arange(E) // (E // R))[:, None] != np.arange(R)[None, :]
+    return (alloc > 0) & away
 
 
 # ----------------------------------------------------------------------------------------------
@@ -267,87 +304,96 @@ class ExpertParallelDispatcher:
         S, K = topk_idx.shape
         dev = z.device
         flat = topk_idx.reshape(-1)                                                       # [S·K]
-        order = flat.argsort(stable=True)                                                 # [S·K] slots by expert
         counts = torch.zeros(E, dtype=torch.int64, device=dev).index_add_(0, flat, torch.ones_like(flat))  # [E]
         tpe = all_gather(counts[None], self.group)                                        # [R, E]
-        plan = plan_moonep(tpe, K, check=False) if self.kind == "moonep" else plan_ep(tpe)
-
-        # split sizes: this rank's rows to / from every rank, replica weights to / from every rank
-        src_end, dst_end = tpe.cumsum(0), plan.alloc.cumsum(1)                           # [R, E], [E, R]
-        src_start, dst_start = src_end - tpe, dst_end - plan.alloc
-        n_out = _overlap(src_start[r][:, None], src_end[r][:, None], dst_start, dst_end)  # [E, R(d)] from me
-        n_in = _overlap(src_start, src_end, dst_start[:, r], dst_end[:, r])               # [R(s), E] to me
-        rep = plan.replicas                                                               # [E, R]
-        w_rows = rep.view(R, El, R).sum(1)                                                # [R(h), R(d)]
-        n_home = n_in[:, r * El:(r + 1) * El].sum()                                       # my rows of home experts
-        sizes = torch.cat([n_out.sum(0), n_in.sum(1), w_rows[r], w_rows[:, r], tpe.sum(1),
-                           torch.stack([n_home, w_rows.sum()])])                          # [5·R + 2]
-        if sizes.is_cuda:  # copy to pinned memory without blocking; the source side below needs no host value
-            host, ready = sizes.to("cpu", non_blocking=True), torch.cuda.Event()
-            ready.record()
-        else:
-            host, ready = sizes, None
-
-        # source side: slot i (sorted by expert e, position p among my slots of e) sits at global
-        # position g = start_r(e) + p of expert e's slots; its destination d is where g falls in cumsum(alloc[e])
-        e_sorted = flat.index_select(0, order)                                            # [S·K]
-        pos = torch.arange(S * K, device=dev) - (counts.cumsum(0) - counts).index_select(0, e_sorted)
-        g = src_start[r].index_select(0, e_sorted) + pos                                  # [S·K]
-        dst = (g[:, None] >= dst_end.index_select(0, e_sorted)).sum(1)                    # [S·K] destination
-        send_slots = order.index_select(0, dst.argsort(stable=True))                      # [S·K] by (d, e, p)
-        x_send = z.index_select(0, send_slots // K)                                       # [S·K, L] by (d, e, p)
-
+        tpe_host, ready = _to_host(tpe)
+        order = flat.argsort(stable=True)                                                 # [S·K] slots by expert
         if ready is not None:
             ready.synchronize()
-        host = host.tolist()                                                              # the one host sync
-        send, recv, w_send, w_recv, slots_in = (host[i * R:(i + 1) * R] for i in range(5))
-        n_home, n_replica_rows = host[5 * R:]
+        tpe_np = tpe_host.numpy()                                                         # the one host sync
         if self.kind == "moonep":
-            check_equal_tokens(slots_in, K)
+            check_equal_tokens(tpe_np.sum(1).tolist(), K)
+        alloc, quota, home_load = (_plan_moonep_np if self.kind == "moonep" else _plan_ep_np)(tpe_np)
+        n = _route_counts_np(tpe_np, alloc)                                               # [R(s), E, R(d)]
+        n_out, n_in = n[r], n[:, :, r]                                                    # [E, R(d)], [R(s), E]
+        send, recv = n_out.sum(0).tolist(), n_in.sum(1).tolist()
+        rep = _replicas_np(alloc)                                                         # [E, R]
+        w_rows = rep.reshape(R, El, R).sum(1)                                             # [R(h), R(d)]
+        w_send, w_recv = w_rows[r].tolist(), w_rows[:, r].tolist()
+        rep_ids = np.flatnonzero(rep[:, r]) if w_rows.any() else np.zeros(0, dtype=np.int64)  # [n_rep] ascending
+        bank_ids = np.concatenate([np.arange(r * El, (r + 1) * El), rep_ids])            # [G] home experts, replicas
+
+        # Both row orders are block permutations with host-known block sizes, moved to the device in one copy.
+        # Source: my slots sorted by expert are blocks (e, d) of n_out[e, d] rows (expert e's slots in global
+        # (source, position) order go to destinations in rank order, step 4); they are sent d-major (d, e).
+        # Destination: received rows come in blocks (s, e) of n_in[s, e]; the experts take them bank-major (g, s).
+        send_shift, send_sizes = _block_shift(n_out)                                      # [R·E] each, d-major
+        bank_shift, bank_sizes = _block_shift(n_in, bank_ids)                              # [G·R] each, g-major
+        bank_counts = n_in[:, bank_ids].sum(0)                                            # [G]
+        dev_ints = torch.from_numpy(np.concatenate([send_shift, send_sizes, bank_shift, bank_sizes, bank_counts]))
+        send_shift, send_sizes, bank_shift, bank_sizes, bank_counts_d = dev_ints.to(dev, non_blocking=True).split(
+            [R * E, R * E, len(bank_shift), len(bank_sizes), len(bank_counts)])
+        i = torch.arange(S * K, device=dev) + send_shift.repeat_interleave(send_sizes, output_size=S * K)  # [S·K]
+        send_slots = order.index_select(0, i)                                             # [S·K] by (d, e, p)
+        x_send = z.index_select(0, send_slots // K)                                       # [S·K, L] by (d, e, p)
         x_recv = all_to_all(x_send, recv, send, self.group)                               # [Σ recv, L] (s, e, p)
 
         # destination side: rows grouped by bank expert [home experts; replicas]
-        rep_ids, rep_weights = self._replicas(experts, rep, w_send, w_recv) if n_replica_rows else (None, None)
-        bank_ids = torch.arange(r * El, (r + 1) * El, device=dev)                         # [El] home experts
-        if rep_ids is not None:
-            bank_ids = torch.cat([bank_ids, rep_ids])                                     # [El + n_rep]
-        bank_of = torch.full((E,), -1, dtype=torch.int64, device=dev)
-        bank_of.scatter_(0, bank_ids, torch.arange(bank_ids.numel(), device=dev))       # [E] expert -> bank row
-        row_expert = torch.arange(E, device=dev).repeat(R).repeat_interleave(n_in.reshape(-1), output_size=sum(recv))
-        row_bank = bank_of.index_select(0, row_expert)                                    # [Σ recv]
-        perm = row_bank.argsort(stable=True)                                              # [Σ recv] by bank expert
-        bank_counts = torch.zeros(bank_ids.numel(), dtype=torch.int64, device=dev).index_add_(
-            0, row_bank, torch.ones_like(row_bank))                                       # [El + n_rep]
-        x_sorted = x_recv.index_select(0, perm)                                           # [Σ recv, L]
-        y = experts(x_sorted[:n_home], bank_counts[:El])                                  # home experts, own weights
-        if rep_weights is not None:  # the replicas with the fetched weights: no copy of the home experts' weights
-            if sum(w_recv):
-                y = torch.cat([y, experts(x_sorted[n_home:], bank_counts[El:], rep_weights)])
+        n_recv, n_home = sum(recv), int(bank_counts[:El].sum())
+        perm = torch.arange(n_recv, device=dev) + bank_shift.repeat_interleave(bank_sizes, output_size=n_recv)
+        x_sorted = x_recv.index_select(0, perm)                                           # [Σ recv, L] by bank
+        y = experts(x_sorted[:n_home], bank_counts_d[:El])                                # home experts, own weights
+        if len(rep_ids) or sum(w_send):  # the replicas, on weights fetched from their homes (MoonEP only)
+            rep_weights = self._replicas(experts, rep, w_send, w_recv)
+            if len(rep_ids):
+                y = torch.cat([y, experts(x_sorted[n_home:], bank_counts_d[El:], rep_weights)])
             else:  # a rank that only lends: autograd must still reach its all-to-all (the backward is a collective)
                 y = y + sum(w.sum() for w in rep_weights) * 0
         y_recv = torch.zeros_like(y).index_copy(0, perm, y)                               # (s, e, p) order
         y_back = all_to_all(y_recv, send, recv, self.group)                               # [S·K, L] send order
 
+        plan = MoonEPPlan(self.kind, *(torch.from_numpy(a) for a in (tpe_np, alloc, quota, home_load)))
         self.last_plan, self.last_slots_per_rank = plan, plan.slots
         dplan = DispatchPlan(send_slots, counts, S, K, data=dict(plan=plan, send=send, recv=recv))
         return self._local.combine(y_back, dplan, topk_weight)                            # [S, L] fp32
 
-    def _replicas(self, experts: RoutedExperts, rep: Tensor, w_send: list[int], w_recv: list[int]):
-        """(rep_ids [n_rep] global expert ids ascending, (w1, w3, w2) of those experts): the weights of the
-        experts this rank computes away from their home, fetched by an autograd all-to-all whose backward
-        returns the replicas' gradients home. Called on every rank when any rank of the group has a replica.
-        Only the lent experts' rows are gathered, one weight at a time (at K3 widths the home experts of
-        one rank are 112 × 3 × 11.0M values: flattening them into one tensor made 3.7G elements)."""
+    def _replicas(self, experts: RoutedExperts, rep: np.ndarray, w_send: list[int], w_recv: list[int]):
+        """(w1, w3, w2) of the experts this rank computes away from their home (ascending global ids), fetched
+        by an autograd all-to-all whose backward returns the replicas' gradients home. Called on every rank
+        when any rank of the group has a replica. Only the lent experts' rows are gathered, one weight at a
+        time (at K3 widths the home experts of one rank are 112 × 3 × 11.0M values: flattening them into one
+        tensor made 3.7G elements)."""
         R, r, El = self.num_ranks, self.rank, self.num_local
         own = (experts.w1, experts.w3, experts.w2)                                        # [El, I, L] ×2, [El, L, I]
-        mine = rep[r * El:(r + 1) * El].T.reshape(-1)                                    # [R·El] (d, local e) lent
-        pick = mine.logical_not().to(torch.int32).argsort(stable=True)[:sum(w_send)] % El  # [Σ w_send] d-major
+        pick = np.flatnonzero(rep[r * El:(r + 1) * El].T.reshape(-1)) % El              # [Σ w_send] d-major
+        pick = torch.from_numpy(pick).to(own[0].device, non_blocking=True)
         rows = torch.cat([w.index_select(0, pick).flatten(1) for w in own], 1)           # [Σ w_send, 3·I·L]
         got = all_to_all(rows, w_recv, w_send, self.group)                               # [n_rep, 3·I·L]
         n_rep = sum(w_recv)
-        rep_ids = rep[:, r].logical_not().to(torch.int32).argsort(stable=True)[:n_rep]   # [n_rep] ascending
         parts = got.split([w[0].numel() for w in own], 1)
-        return rep_ids, tuple(p.view(n_rep, *w.shape[1:]) for w, p in zip(own, parts))
+        return tuple(p.view(n_rep, *w.shape[1:]) for w, p in zip(own, parts))
+
+
+def _to_host(x: Tensor) -> tuple[Tensor, "torch.cuda.Event | None"]:
+    """A host copy of a small device tensor, started without blocking (CUDA: wait on the event before reading)."""
+    if not x.is_cuda:
+        return x, None
+    host, ready = x.to("cpu", non_blocking=True), torch.cuda.Event()
+    ready.record()
+    return host, ready
+
+
+def _block_shift(sizes: np.ndarray, columns: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Rows in blocks ``(a, b)`` of ``sizes [A, B]`` rows, laid out a-major, re-laid b-major with the columns
+    taken in the order ``columns`` (default all, ascending; a column left out must hold no rows). Returns
+    ``(shift, n)`` over the blocks in the new order such that the row at new position j comes from a-major
+    position ``j + shift[block of j]`` (``n`` = the blocks' sizes, for ``repeat_interleave``)."""
+    A, B = sizes.shape
+    a_start = (np.cumsum(sizes.reshape(-1)) - sizes.reshape(-1)).reshape(A, B)          # [A, B]
+    cols = np.arange(B) if columns is None else columns
+    t = sizes[:, cols].T                                                                  # [G, A]
+    b_start = (np.cumsum(t.reshape(-1)) - t.reshape(-1)).reshape(t.shape)                 # [G, A]
+    return (a_start[:, cols].T - b_start).reshape(-1), t.reshape(-1).copy()
 
 
 # ----------------------------------------------------------------------------------------------
