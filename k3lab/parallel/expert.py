@@ -295,6 +295,7 @@ class ExpertParallelDispatcher:
         self.last_plan: MoonEPPlan | None = None
         self.last_slots_per_rank: Tensor | None = None
 
+    @torch.compiler.disable  # host planning on values read back every forward: eager (compiled it recompiled per step)
     def run(self, z: Tensor, topk_idx: Tensor, topk_weight: Tensor, experts: RoutedExperts) -> Tensor:
         R, r, E, El = self.num_ranks, self.rank, self.num_experts, self.num_local
         if (experts.num_experts, experts.num_local_experts, experts.expert_offset) != (E, El, r * El):
@@ -331,6 +332,8 @@ class ExpertParallelDispatcher:
         bank_shift, bank_sizes = _block_shift(n_in, bank_ids)                              # [G·R] each, g-major
         bank_counts = n_in[:, bank_ids].sum(0)                                            # [G]
         dev_ints = torch.from_numpy(np.concatenate([send_shift, send_sizes, bank_shift, bank_sizes, bank_counts]))
+        if z.is_cuda:  # pinned (the caching host allocator), so that the copy does not wait on the stream
+            dev_ints = dev_ints.pin_memory()
         send_shift, send_sizes, bank_shift, bank_sizes, bank_counts_d = dev_ints.to(dev, non_blocking=True).split(
             [R * E, R * E, len(bank_shift), len(bank_sizes), len(bank_counts)])
         i = torch.arange(S * K, device=dev) + send_shift.repeat_interleave(send_sizes, output_size=S * K)  # [S·K]
