@@ -213,6 +213,11 @@ def section_prefill(args, cfg, device, dtype) -> dict:
 
 
 def section_spec(args, cfg, device, dtype) -> dict:
+    """MTP speculative decoding after ``--spec-steps`` of training: first the graphed decoder (``static`` off CUDA)
+    at ``--short-context`` (4,096; prompts of ``context − --spec-new`` tokens, batch 1, no EOS stop) — plain graphed
+    greedy vs graphed ``draft=k`` for each ``--spec-k``: acceptance, tokens per verify, tokens/s, speedup over
+    graphed plain, rows identical to it (``out["graph"]``, printed as it goes); then the eager decoder
+    (``--spec-prompt-len`` prompts: plain vs ``draft=k``)."""
     from k3lab.data import batch_iterator, corpus_splits, get_tokenizer
     from k3lab.train import TrainConfig, fit
 
@@ -232,6 +237,42 @@ def section_spec(args, cfg, device, dtype) -> dict:
     prompts = [val_ids[i * 3 * L: i * 3 * L + L].tolist() for i in range(args.spec_prompts)]
     out = dict(train_steps=args.spec_steps, train_s=train_s, lm_loss=last.get("lm_loss"), mtp_loss=last.get("mtp_loss"),
                prompts=len(prompts), prompt_len=L, new_tokens=args.spec_new, rows=[])
+    print(f"spec: MTP model trained {args.spec_steps} steps in {train_s:.0f} s, lm loss {out['lm_loss']:.2f}, "
+          f"mtp loss {out['mtp_loss']:.2f}", flush=True)
+    # first (printed as it goes, in case a time limit cuts the slower eager rows) the graphed decoder (static off
+    # CUDA): batch 1 at --short-context (4,096), plain vs draft=k, each step one graph replay; the prompts end
+    # `spec_new` tokens before the context, so the decode stays inside the trained one
+    decoder = "graph" if device.type == "cuda" else "static"
+    ctx, new = args.short_context, args.spec_new
+    P = max(1, min(ctx - new, len(val_ids)))  # prompt tokens
+    stride = (len(val_ids) - P) // max(1, len(prompts))  # the prompts' starts, spread over the validation split
+    long_prompts = [val_ids[i * stride: i * stride + P].tolist() for i in range(len(prompts))]
+    kw = dict(eos_token_id=None, decoder=decoder)  # every row makes `new` tokens: equal work for plain and draft
+    graph = dict(decoder=decoder, context=ctx, prompt_len=P, new_tokens=new, prompts=len(long_prompts), rows=[])
+    generate(model, long_prompts[:1], new, **kw)  # warm-up: buffers and graph of this shape
+    plain_g, plain_out = GenerationStats(), []
+    for p in long_prompts:
+        plain_out += generate(model, [p], new, stats=plain_g, **kw)
+    graph["plain_tokens_per_s"] = plain_g.decode_tokens_per_s
+    graph["plain_ms_per_token"] = 1e3 * plain_g.decode_s / plain_g.new_tokens
+    print(f"spec {decoder}: plain greedy at {P + new:,} tokens, batch 1: {graph['plain_tokens_per_s']:,.1f} tok/s",
+          flush=True)
+    for k in args.spec_k:
+        generate(model, long_prompts[:1], new, draft=k, **kw)  # warm-up: this k's buffers and graph
+        st, got = GenerationStats(), []
+        for p in long_prompts:
+            got += generate(model, [p], new, draft=k, stats=st, **kw)
+        graph["rows"].append(dict(
+            k=k, acceptance=st.acceptance_rate, drafted=st.drafted, accepted=st.accepted, verifies=st.forwards,
+            tokens_per_verify=(st.new_tokens - len(long_prompts)) / max(1, st.forwards),  # the first: the prefill's
+            decode_tokens_per_s=st.decode_tokens_per_s, ms_per_token=1e3 * st.decode_s / st.new_tokens,
+            speedup=plain_g.decode_s / st.decode_s, identical_rows=sum(a == b for a, b in zip(got, plain_out))))
+        r = graph["rows"][-1]
+        print(f"spec {decoder} k={k}: acceptance {r['acceptance']:.2f}, {r['tokens_per_verify']:.2f} tok/verify, "
+              f"{r['decode_tokens_per_s']:,.1f} tok/s, speedup over {decoder} plain {r['speedup']:.2f}x, identical "
+              f"{r['identical_rows']}/{len(long_prompts)}", flush=True)
+    out["graph"] = graph
+    # the eager decoder: plain vs draft=k on --spec-prompt-len prompts
     generate(model, prompts[:1], 8)  # warm-up
     generate(model, prompts[:1], 8, draft=max(args.spec_k))
     plain_st, plain = GenerationStats(), []

@@ -116,8 +116,8 @@ def test_decoder_argument_errors(model):
     with pytest.raises(ValueError, match=r"decoder='fast': allowed values are \('eager', 'static', 'graph'\)"):
         generate(model, [[1, 2, 3]], 4, decoder="fast")
     mtp = build(seed=1, num_nextn_predict_layers=1)
-    with pytest.raises(ValueError, match=r"decoder='static' with draft=2"):
-        generate(mtp, [[1, 2, 3]], 4, draft=2, decoder="static")
+    with pytest.raises(ValueError, match=r"temperature=1.0 with decoder='static' and draft=2"):
+        generate(mtp, [[1, 2, 3]], 4, temperature=1.0, draft=2, decoder="static")
 
 
 def test_batch_buckets():

@@ -276,9 +276,9 @@ def stream(model, prompts, max_new_tokens: int, temperature: float = 0.0, top_k:
     if prefix_cache is not None and not isinstance(prefix_cache, PrefixCache):
         raise ValueError(f"prefix_cache: must be None or a k3lab.infer.PrefixCache, got {type(prefix_cache).__name__}")
     check_decoder(decoder, model_device(model))
-    if draft is not None and decoder != "eager":
-        raise ValueError(f"decoder={decoder!r} with draft={draft}: speculative decoding runs on the eager decoder "
-                         "(decoder='eager')")
+    if draft is not None and decoder != "eager" and temperature != 0:
+        raise ValueError(f"temperature={temperature!r} with decoder={decoder!r} and draft={draft}: the static/graphed "
+                         "speculative step is greedy only (temperature=0); use decoder='eager' to sample with drafts")
     return _stream(model, rows, max_new_tokens, temperature, top_k, top_p, stop, generator, draft, prefix_cache,
                    chunk_size, stats, decoder)
 
@@ -301,6 +301,13 @@ def _stream(model, rows, max_new_tokens, temperature, top_k, top_p, stop, genera
         pre = prefill(model, rows, chunk_size, prefix_cache=prefix_cache, stats=stats)
         yield from decode(model, pre, max_new_tokens, temperature, top_k, top_p, stop, generator, stats)
         return
+    if decoder != "eager":  # every row prefilled alone with its MTP cache, then decoded as one batch
+        pres = [prefill(model, [row], chunk_size, mtp=True, stats=stats) for row in rows]
+        new = decoder_for(model, decoder == "graph").speculate(pres, draft, max_new_tokens, stop, stats)
+        for i, tokens in enumerate(new):
+            for tok in tokens:
+                yield i, tok
+        return
     for i, row in enumerate(rows):
         pre = prefill(model, [row], chunk_size, mtp=True, stats=stats)
         for tok in speculative_decode(model, pre, draft, max_new_tokens, temperature, top_k, top_p, stop,
@@ -321,7 +328,9 @@ def generate(model, prompts, max_new_tokens: int, temperature: float = 0.0, top_
     (kept in the output). ``eos_token_id``: ``"config"`` (default) also stops a row at
     ``model.config.eos_token_id`` (kept, as in transformers), None turns that off, an id stops at that id.
     ``draft=k``: speculative decoding with the MTP head, ``k`` drafts a step
-    (greedy output unchanged). ``prefix_cache``: a :class:`k3lab.infer.PrefixCache` for this model.
+    (greedy output unchanged; with ``decoder="static"``/``"graph"`` greedy only, the whole batch in one
+    captured step: :meth:`k3lab.infer.static.StaticDecoder.speculate`). ``prefix_cache``: a
+    :class:`k3lab.infer.PrefixCache` for this model.
     ``chunk_size``: prefill chunk. ``max_prompt_tokens``: refuse longer prompts. ``stats``: a
     :class:`GenerationStats` filled in place. A prompt plus ``max_new_tokens`` longer than
     ``config.max_position_embeddings`` (the trained context; the model is NoPE and would run, untested)

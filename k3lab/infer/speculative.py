@@ -20,16 +20,25 @@ distribution exactly (Leviathan et al. 2023, Chen et al. 2023).
 may stay. The MLA latents are cut to the accepted length. A KDA state cannot be cut: it has
 folded every token in. Two correct schemes:
 
-* *keep per-step states*: the verify kernel writes the state after every one of the ``k + 1``
-  tokens (``(k+1)·H·K·V`` floats a layer) and the step keeps state ``j``. One forward, no replay,
-  but a kernel that emits per-token states (our chunk kernel emits one per 64-token chunk);
-* *replay from the saved state* (used here, as K3 does in serving): the cache before the verify is
-  kept — free, because caches are functional (:mod:`k3lab.infer.cache`) — together with each KDA
-  layer's input to the verify forward; on a rejection each KDA layer re-runs its first ``j + 1``
+* *keep per-step states* (the static / graphed decoder, :meth:`k3lab.infer.static.StaticDecoder.speculate`):
+  the verify runs the ``k + 1`` tokens through each KDA layer's recurrence one token at a time (the
+  one-token decode step: our Triton kernel on CUDA, the torch recurrence on CPU), writing the state
+  after every token (``(k+1)·H·K·V`` floats a layer, :class:`k3lab.mixers.kda.StaticKDAStepCache`) and
+  the conv window ``[tail ; k+1 projected inputs]``; the step then keeps, per row b, state ``j_b`` and
+  the window rows after token ``j_b`` (a gather on the device). One forward, no replay, no host read:
+  what a CUDA graph needs. The MLA latents stay in their slots; the per-row length is set to the
+  accepted one and the key mask cleared beyond it;
+* *replay from the saved state* (this module, the eager decoder; as K3 does in serving): the cache before
+  the verify is kept — free, because caches are functional (:mod:`k3lab.infer.cache`) — together with
+  each KDA layer's input to the verify forward; on a rejection each KDA layer re-runs its first ``j + 1``
   inputs from the saved state (state and conv tails). Only the KDA mixers run again, not the MLA
   layers, MoE or head; when all drafts are accepted nothing is replayed. K3 goes one step further
   and caches the projected inputs ``q, k, v, g, β`` to replay in a fused kernel; we recompute the
   projections of the saved layer input.
+
+This module decodes one row at a time with any sampling rule; the static decoder decodes a batch (rows
+accept different numbers of drafts: per-row lengths) greedily, with :func:`accept_greedy_rows` on the
+device, and gives the same tokens and the same drafted / accepted counts as this module.
 """
 
 from __future__ import annotations
@@ -95,6 +104,16 @@ def accept_greedy(logits: Tensor, drafts: list[int]) -> tuple[int, int]:
     while j < len(drafts) and drafts[j] == best[j]:
         j += 1
     return j, best[j]
+
+
+def accept_greedy_rows(best: Tensor, drafts: Tensor) -> Tensor:
+    """:func:`accept_greedy` for a batch on the device (no host read; the static decoder's step)::
+
+        j_b = Σ_{i<k} Π_{i'≤i} [d_{b,i'} = best_{b,i'}]      (the longest matching prefix)
+
+    best: [B, k+1] the verify's argmax tokens; drafts: [B, k]. Returns j [B] int64; row b emits
+    ``best[b, :j_b + 1]`` (``d_1 … d_j`` and the correction or bonus token)."""
+    return (drafts == best[:, :drafts.shape[1]]).long().cumprod(dim=1).sum(dim=1)  # [B]
 
 
 def accept_sampled(p: Tensor, q: Tensor, drafts: list[int], generator: torch.Generator | None = None) -> tuple[int, int]:

@@ -29,6 +29,23 @@ What a replay needs, and how this module provides it:
   :data:`BATCH_BUCKETS`; the extra rows copy row 0's cache and start done. Graphs are kept per
   (bucket, slots, sampling) and reused by later calls with the same shape (their buffers are refilled).
 
+**Speculative decoding** (:meth:`StaticDecoder.speculate`, ``generate(..., decoder="static"|"graph", draft=k)``;
+greedy only) is one captured step too (:meth:`StaticDecoder.spec_step`): the MTP head drafts ``d_1 … d_k`` on
+its own static MLA cache, the model verifies ``[x_n, d_1 … d_k]`` in one forward on the static caches, the
+accepted count ``j`` (longest prefix with ``d_i = argmax p_{i−1}``) stays a device tensor, the row emits
+``argmax p_0 … p_j`` at its own output position and the caches roll back on the device:
+
+* MLA (main and MTP): the ``k + 1`` latents were written at slots ``length_b … length_b + k``; per-row
+  lengths (``StaticMLACache.length`` [B]) become ``length_b + j_b + 1``, the key mask is cleared beyond,
+  and the rejected latents stay, masked, until the next step overwrites them;
+* KDA: "keep per-step states" (:mod:`k3lab.infer.speculative`): the verify runs the recurrence one token at
+  a time into ``states [k+1, B, H, K, V]`` (:class:`k3lab.mixers.kda.StaticKDAStepCache`), and each row
+  keeps ``states[j_b]`` and the conv tail after token ``j_b``.
+
+Rows of a batch accept different numbers of drafts (every length is per row); a done row keeps its caches.
+Its tokens equal plain greedy decoding's and its drafted / accepted counts the eager speculative path's
+(tested on CPU); that the graph replays it exactly is what the ``-m gpu`` test checks.
+
 Exactness (tested): the static step computes the eager step's numbers — fp32 logits within rounding
 (``1e-5``), the same greedy tokens, each row of a mixed batch equal to the row alone; the graph replays
 the static step exactly. Sampled tokens depend on each row's seed and token index only, so they are
@@ -47,8 +64,9 @@ import torch
 from k3lab.backend import synchronize
 from k3lab.infer import cache as hcache
 from k3lab.infer.sampling import sample_seeded
-from k3lab.infer.step import GenerationStats, Prefilled
-from k3lab.mixers.kda import KDACache, StaticKDACache
+from k3lab.infer.speculative import accept_greedy_rows
+from k3lab.infer.step import GenerationStats, Prefilled, check_int, mtp_step
+from k3lab.mixers.kda import KDACache, StaticKDACache, StaticKDAStepCache
 from k3lab.mixers.mla import MLACache, StaticMLACache
 from k3lab.model import K3Cache
 
@@ -143,6 +161,136 @@ def load(buf: Buffers, pre: Prefilled, seeds: Tensor) -> None:
     buf.done.copy_(torch.arange(rows, device=buf.done.device) >= B)
 
 
+@dataclass
+class SpecBuffers:
+    """Everything one speculative graph reads and writes (fixed addresses): B rows, ``k`` drafts a step.
+
+    cache: the main model's static cache — KDA layers :class:`StaticKDAStepCache` (a state per verify token),
+    MLA layers :class:`StaticMLACache` sharing ``length`` [B] (positions held per row) and one key mask;
+    mla: one of those MLA entries (None without MLA layers), for the rollback of the shared length and mask;
+    mtp: the MTP head's :class:`StaticMLACache` (its own length [B] and key mask).
+    tokens [B]: the pending token ``x_n`` (known, not yet fed); pend_h [B, k+1, D], pend_x [B, k+1], pend_n [B]:
+    the MTP head's next entries ``(h_t, x_{t+1})``, the first ``pend_n`` real (the verify's residuals and tokens).
+    out [B, N + 2k + 1]: the tokens emitted, ``emitted`` [B] of them per row (<= N + k; a step writes k + 1 from
+    there, a done row too: what lies past ``emitted`` is not read);
+    done [B] bool; stop [n_stop]; drafted / accepted / verifies [B]: GenerationStats' counts per row, as the eager
+    path counts them. rows = arange(B), iota = arange(k + 1); max_new: N.
+    """
+
+    cache: K3Cache
+    mla: StaticMLACache | None
+    mtp: StaticMLACache
+    k: int
+    max_new: int
+    tokens: Tensor
+    pend_h: Tensor
+    pend_x: Tensor
+    pend_n: Tensor
+    out: Tensor
+    emitted: Tensor
+    done: Tensor
+    stop: Tensor
+    drafted: Tensor
+    accepted: Tensor
+    verifies: Tensor
+    rows: Tensor
+    iota: Tensor
+
+
+def stack_speculative(model, pres: list[Prefilled]) -> Prefilled:
+    """Rows prefilled alone with ``mtp=True`` (one :class:`Prefilled` each) as one batch: main caches stacked
+    (:func:`k3lab.infer.cache.stack`), the MTP head's MLA caches too (a one-token prompt has none: an empty one)."""
+    mla = model.mtp.block.self_attn
+    device = pres[0].logits.device
+    mtp = []
+    for p in pres:
+        m = p.mtp_cache
+        if m is None:  # a one-token prompt: no (h_t, x_{t+1}) pair yet
+            zeros = dict(dtype=p.residual.dtype, device=device)
+            m = MLACache(torch.zeros(1, 0, mla.kv_lora_rank, **zeros), torch.zeros(1, 0, mla.qk_rope_head_dim, **zeros))
+        mtp.append(K3Cache([m], m.offset))
+    return Prefilled(hcache.stack([p.cache for p in pres]), torch.cat([p.logits for p in pres]),
+                     torch.cat([p.residual for p in pres]), [n for p in pres for n in p.lengths],
+                     hcache.stack(mtp).layers[0])
+
+
+def allocate_spec(pre: Prefilled, rows: int, slots: int, new_tokens: int, k: int, stop: Tensor) -> SpecBuffers:
+    """:class:`SpecBuffers` for ``rows`` rows, ``slots`` MLA slots (main and MTP) and ``k`` drafts, shaped like
+    ``pre``."""
+    device = pre.logits.device
+    zeros = dict(dtype=torch.long, device=device)
+    length = torch.zeros(rows, **zeros)
+    key_mask = torch.zeros(rows, slots, dtype=torch.bool, device=device)
+    layers = []
+    for e in pre.cache.layers:
+        if isinstance(e, KDACache):
+            rec, tails = e.recurrent, (e.conv_q, e.conv_k, e.conv_v)
+            layers.append(StaticKDAStepCache(
+                rec.new_zeros((rows,) + rec.shape[1:]), *(t.new_zeros((rows,) + t.shape[1:]) for t in tails),
+                rec.new_zeros((k + 1, rows) + rec.shape[1:]),  # states [k+1, B, H, K, V]
+                *(t.new_zeros(rows, t.shape[2] + k + 1, t.shape[1]) for t in tails)))  # windows [B, W-1+k+1, D]
+        else:
+            layers.append(StaticMLACache(e.c_kv.new_zeros(rows, slots, e.c_kv.shape[2]),
+                                         e.k_rope.new_zeros(rows, slots, e.k_rope.shape[2]), key_mask, length))
+    m = pre.mtp_cache
+    mtp = StaticMLACache(m.c_kv.new_zeros(rows, slots, m.c_kv.shape[2]),
+                         m.k_rope.new_zeros(rows, slots, m.k_rope.shape[2]),
+                         torch.zeros(rows, slots, dtype=torch.bool, device=device), torch.zeros(rows, **zeros))
+    mla = next((e for e in layers if isinstance(e, StaticMLACache)), None)
+    D = pre.residual.shape[-1]
+    return SpecBuffers(K3Cache(layers, 0), mla, mtp, k, new_tokens, tokens=torch.zeros(rows, **zeros),
+                       pend_h=pre.residual.new_zeros(rows, k + 1, D), pend_x=torch.zeros(rows, k + 1, **zeros),
+                       pend_n=torch.zeros(rows, **zeros), out=torch.zeros(rows, new_tokens + 2 * k + 1, **zeros),
+                       emitted=torch.zeros(rows, **zeros), done=torch.zeros(rows, dtype=torch.bool, device=device),
+                       stop=stop.to(device), drafted=torch.zeros(rows, **zeros), accepted=torch.zeros(rows, **zeros),
+                       verifies=torch.zeros(rows, **zeros), rows=torch.arange(rows, device=device),
+                       iota=torch.arange(k + 1, device=device))
+
+
+def load_spec(buf: SpecBuffers, pre: Prefilled) -> None:
+    """Copy the prefilled rows into ``buf`` (extra rows: copies of row 0, marked done) and emit token 0 of each
+    row, ``argmax`` of the prefill's logits; it is the pending token and the MTP head's first pending entry
+    pairs it with the prompt's last residual."""
+    B, rows = pre.logits.shape[0], buf.tokens.shape[0]
+    device = pre.logits.device
+    fill = torch.cat([torch.arange(B), torch.zeros(rows - B, dtype=torch.long)]).to(device)  # [rows]
+    lengths = torch.tensor(pre.lengths, dtype=torch.long, device=device).index_select(0, fill)  # [rows]
+    mla_done = False
+    for dst, src in zip(buf.cache.layers, pre.cache.layers):
+        if isinstance(dst, KDACache):
+            for d, s in zip((dst.recurrent, dst.conv_q, dst.conv_k, dst.conv_v),
+                            (src.recurrent, src.conv_q, src.conv_k, src.conv_v)):
+                d.copy_(s.index_select(0, fill))
+            continue
+        S0 = src.c_kv.shape[1]
+        dst.c_kv[:, :S0].copy_(src.c_kv.index_select(0, fill))
+        dst.k_rope[:, :S0].copy_(src.k_rope.index_select(0, fill))
+        if not mla_done:  # one key mask and length for every MLA layer
+            dst.key_mask.zero_()
+            dst.key_mask[:, :S0] = True if src.key_mask is None else src.key_mask.index_select(0, fill)
+            dst.rollback(lengths)
+            mla_done = True
+    m, M0 = pre.mtp_cache, pre.mtp_cache.c_kv.shape[1]
+    buf.mtp.c_kv[:, :M0].copy_(m.c_kv.index_select(0, fill))
+    buf.mtp.k_rope[:, :M0].copy_(m.k_rope.index_select(0, fill))
+    buf.mtp.key_mask.zero_()
+    buf.mtp.key_mask[:, :M0] = True if m.key_mask is None else m.key_mask.index_select(0, fill)
+    buf.mtp.rollback(lengths - 1)  # (h_t, x_{t+1}) for t < T - 1
+    first = pre.logits.float().argmax(-1).index_select(0, fill)  # [rows] token 0 of each row
+    buf.tokens.copy_(first)
+    buf.out.zero_()
+    buf.out[:, 0] = first
+    buf.emitted.fill_(1)
+    buf.pend_x.zero_()
+    buf.pend_x[:, 0] = first
+    buf.pend_h.zero_()
+    buf.pend_h[:, 0] = pre.residual.index_select(0, fill)
+    buf.pend_n.fill_(1)
+    buf.done.copy_((torch.arange(rows, device=device) >= B) | torch.isin(first, buf.stop) | (buf.max_new <= 1))
+    for t in (buf.drafted, buf.accepted, buf.verifies):
+        t.zero_()
+
+
 _DECODERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> {graph: StaticDecoder}
 
 
@@ -192,22 +340,35 @@ class StaticDecoder:
 
     def capture(self, buf: Buffers, *args) -> torch.cuda.CUDAGraph:
         """Warm up on a side stream (real decode steps), capture one step; the captured step has not run yet."""
-        stream = torch.cuda.Stream(buf.tokens.device)
+        return self.capture_step(lambda: self.step(buf, *args), buf.tokens.device, "decode step")
+
+    def capture_step(self, run, device: torch.device, what: str) -> torch.cuda.CUDAGraph:
+        """``run()`` :data:`WARMUP_STEPS` times on a side stream (real steps), then captured once (not run)."""
+        stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(WARMUP_STEPS):
-                self.step(buf, *args)
+                run()
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph):
-                self.step(buf, *args)
+                run()
         except Exception as err:  # an op that reads back to the host, or one CUDA graphs do not take
-            raise RuntimeError(f"decoder='graph': capturing the decode step failed ({type(err).__name__}: "
+            raise RuntimeError(f"decoder='graph': capturing the {what} failed ({type(err).__name__}: "
                                f"{str(err).splitlines()[0] if str(err) else ''}); use decoder='static' (the same "
                                "step without the graph) or 'eager'") from err
         self.captures += 1
         return graph
+
+    def buffers(self, key: tuple, make):
+        """The kept (buffers, graph) under ``key`` (``make()`` builds the buffers when new), now most recently used."""
+        if key not in self.kept:
+            while len(self.kept) >= MAX_KEPT:  # drop the least recently used buffers and graph
+                self.kept.pop(next(iter(self.kept)))
+            self.kept[key] = (make(), None)
+        self.kept[key] = self.kept.pop(key)  # most recently used last
+        return self.kept[key]
 
     @torch.no_grad()
     def decode(self, pre: Prefilled, max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None,
@@ -232,12 +393,7 @@ class StaticDecoder:
         try:
             synchronize(device)
             t0 = time.perf_counter()
-            if key not in self.kept:
-                while len(self.kept) >= MAX_KEPT:  # drop the least recently used buffers and graph
-                    self.kept.pop(next(iter(self.kept)))
-                self.kept[key] = (allocate(pre, rows, slots, max_new_tokens, stop_ids), None)
-            buf, graph = self.kept.pop(key)
-            self.kept[key] = (buf, graph)  # most recently used last
+            buf, graph = self.buffers(key, lambda: allocate(pre, rows, slots, max_new_tokens, stop_ids))
             load(buf, pre, seeds)
             logits0 = torch.cat([pre.logits, pre.logits[:1].expand(rows - B, -1)]) if rows > B else pre.logits
             self.record(buf, logits0.float(), temperature, top_k, top_p, pad)  # token 0, from the prefill
@@ -276,4 +432,138 @@ class StaticDecoder:
             result.append(row[:end])
         if stats is not None:
             stats.new_tokens += sum(len(r) for r in result)
+        return result
+
+    # ------------------------------------------------------------------------------------------
+    # speculative decoding: MTP drafts, one verify forward, acceptance and rollback on the device
+    # ------------------------------------------------------------------------------------------
+    def spec_step(self, buf: SpecBuffers) -> None:
+        """One speculative step on ``buf`` (what the graph holds); greedy. Row b, pending token ``x_n``:
+
+        1. the MTP head takes its ``pend_n`` pending entries (all k + 1 written, the rest masked off by the
+           rollback of its length), drafts ``d_1`` from the last real one and chains ``d_2 … d_k`` on its own
+           output (those k − 1 entries are dropped again: its length is set back);
+        2. verify: ``[x_n, d_1 … d_k]`` through the model on the static caches, logits ``p_0 … p_k``; the KDA
+           layers keep the state after each of the k + 1 tokens (:meth:`k3lab.mixers.kda.KDA.forward_steps`);
+        3. accept: ``j = longest prefix with d_i = argmax p_{i−1}`` (:func:`accept_greedy_rows`); the row emits
+           ``argmax p_0 … p_j`` (= d_1 … d_j and the correction or bonus) at its ``emitted`` position;
+        4. roll back: MLA ``length_b += j_b + 1`` and the key mask cleared beyond it (the rejected slots stay,
+           masked, and are overwritten next step); KDA state and conv tails = those after token ``j_b``
+           (:meth:`k3lab.mixers.kda.StaticKDAStepCache.keep`); the next pending MTP entries are the verify's
+           residuals and tokens, ``pend_n = j + 1``; the next pending token is ``argmax p_j``.
+
+        Done rows keep their caches, lengths, pending entries, ``emitted`` and counts (what the step writes for them
+        lies past their lengths, masked, or is not read). The counts are the
+        eager path's: a step of a row with ``emitted`` tokens drafts ``k_eff = min(k, N − emitted − 1)`` there
+        and accepts ``min(j, k_eff)`` (the drafts and their verify logits are the same: causal)."""
+        model, k = self.model, buf.k
+        emb = model.model.embed_tokens
+        active = ~buf.done  # [B]
+        mtp = buf.mtp
+        hidden, out, _ = mtp_step(model.mtp, emb(buf.pend_x), buf.pend_h, mtp)  # [B, k+1, D]
+        last = buf.pend_n - 1  # [B] the last real pending entry
+        mtp.rollback(mtp.length + torch.where(active, buf.pend_n, 0))
+        h, o = hidden[buf.rows, last], out[buf.rows, last][:, None]  # [B, D], [B, 1, D]
+        drafts = []
+        for i in range(k):
+            d = model.lm_head(h).float().argmax(dim=-1)  # [B]
+            drafts.append(d)
+            if i + 1 < k:  # chain on the head's own output (entries dropped below)
+                hidden, o, _ = mtp_step(model.mtp, emb(d[:, None]), o, mtp)  # [B, 1, D]
+                mtp.length.add_(1)
+                h = hidden[:, -1]
+        if k > 1:
+            mtp.rollback(mtp.length - (k - 1))
+        drafts = torch.stack(drafts, dim=1)  # [B, k]
+        step = hcache.forward(model, torch.cat([buf.tokens[:, None], drafts], dim=1), buf.cache, last=None)
+        best = step.logits.argmax(dim=-1)  # [B, k+1]
+        j = accept_greedy_rows(best, drafts)  # [B]
+        buf.out.scatter_(1, buf.emitted[:, None] + buf.iota, best)  # [B, N + 2k + 1]; only the first j + 1 count
+        k_eff = (buf.max_new - 1 - buf.emitted).clamp(0, k)  # [B] the drafts the eager path would make
+        buf.drafted.add_(torch.where(active, k_eff, 0))
+        buf.accepted.add_(torch.where(active, torch.minimum(j, k_eff), 0))
+        buf.verifies.add_(active.long())
+        adv = torch.where(active, j + 1, 0)  # [B]
+        hit = (torch.isin(best, buf.stop) & (buf.iota <= j[:, None])).any(dim=1)  # a stop among the emitted
+        buf.emitted.add_(adv)
+        buf.done.logical_or_(active & (hit | (buf.emitted >= buf.max_new)))
+        if buf.mla is not None:
+            buf.mla.rollback(buf.mla.length + adv)
+        for e in buf.cache.layers:
+            if isinstance(e, StaticKDAStepCache):
+                e.keep(j, active)
+        buf.pend_h.copy_(torch.where(active[:, None, None], step.residual, buf.pend_h))  # [B, k+1, D]
+        buf.pend_x.copy_(torch.where(active[:, None], best, buf.pend_x))  # [B, k+1]
+        buf.pend_n.copy_(torch.where(active, j + 1, buf.pend_n))
+        buf.tokens.copy_(torch.where(active, best.gather(1, j[:, None])[:, 0], buf.tokens))
+
+    @torch.no_grad()
+    def speculate(self, pres: Prefilled | list[Prefilled], k: int, max_new_tokens: int, stop=frozenset(),
+                  stats: GenerationStats | None = None) -> list[list[int]]:
+        """Greedy speculative decoding with the MTP head, ``k`` drafts a step, on the static caches (one CUDA graph
+        replay a step when ``graph``): up to ``max_new_tokens`` tokens per row, the same tokens as plain greedy
+        decoding (:meth:`spec_step`). ``pres``: rows prefilled alone with ``mtp=True`` (a list; or one
+        :class:`Prefilled` of them stacked by :func:`stack_speculative`). Rows of a batch accept different numbers
+        of drafts: the lengths are per row. ``stats``: drafted / accepted per row as the eager path counts them,
+        ``forwards`` the verify forwards of the longest row."""
+        model = self.model
+        check_int("k", k, 1)
+        check_int("max_new_tokens", max_new_tokens, 0)
+        if model.mtp is None:
+            raise ValueError("model: has no MTP head (config.num_nextn_predict_layers=0); speculative decoding needs 1")
+        pre = stack_speculative(model, pres) if isinstance(pres, list) else pres
+        if pre.mtp_cache is None:
+            raise ValueError("pres: rows prefilled with mtp=True are needed (the MTP head's cache)")
+        B, device = pre.logits.shape[0], pre.logits.device
+        if max_new_tokens < 1:
+            return [[] for _ in range(B)]
+        stop_ids = torch.tensor(sorted(stop), dtype=torch.long)
+        rows, slots = batch_bucket(B), slots_for(max(pre.lengths) + max_new_tokens + k)
+        key = ("spec", rows, slots, max_new_tokens, k, tuple(stop_ids.tolist()))
+        check = max(1, CHECK_EVERY // (k + 1))  # steps between the host's reads of the done flags
+        was_training = model.training
+        model.eval()
+        try:
+            synchronize(device)
+            t0 = time.perf_counter()
+            buf, graph = self.buffers(key, lambda: allocate_spec(pre, rows, slots, max_new_tokens, k, stop_ids))
+            load_spec(buf, pre)
+            steps, limit = 0, max_new_tokens - 1  # every step emits >= 1 token per active row
+            while steps < limit:
+                if self.graph and graph is None and limit - steps > WARMUP_STEPS:
+                    c0 = time.perf_counter()
+                    graph = self.capture_step(lambda: self.spec_step(buf), device, "speculative step")
+                    self.kept[key] = (buf, graph)
+                    steps += WARMUP_STEPS
+                    synchronize(device)
+                    self.capture_s += time.perf_counter() - c0
+                    continue
+                if graph is not None:
+                    graph.replay()
+                else:
+                    self.spec_step(buf)
+                steps += 1
+                if steps % check == 0 and bool(buf.done[:B].all()):
+                    break
+            out = buf.out[:B].tolist()  # the one read back of the tokens
+            emitted, drafted, accepted, verifies = torch.stack(
+                [buf.emitted[:B], buf.drafted[:B], buf.accepted[:B], buf.verifies[:B]]).tolist()
+            synchronize(device)
+            if stats is not None:
+                stats.decode_s += time.perf_counter() - t0
+        finally:
+            model.train(was_training)
+        stops = set(stop)
+        result = []
+        for row, n in zip(out, emitted):
+            row = row[:min(n, max_new_tokens)]
+            end = next((i + 1 for i, t in enumerate(row) if t in stops), len(row))
+            result.append(row[:end])
+        if stats is not None:
+            stats.new_tokens += sum(len(r) for r in result)
+            stats.forwards += max(verifies)
+            stats.drafted += sum(drafted)
+            stats.accepted += sum(accepted)
+            stats.mtp_forwards += sum(drafted)
+            stats.per_row.extend(zip(drafted, accepted))
         return result

@@ -84,6 +84,46 @@ class StaticKDACache(KDACache):
     in_place = True
 
 
+@dataclass
+class StaticKDAStepCache(StaticKDACache):
+    """A :class:`StaticKDACache` whose multi-token forward keeps the state after every token (the speculative
+    verify on the static decoder: "keep per-step states", :mod:`k3lab.infer.speculative`). :meth:`KDA.forward_steps`
+    runs tokens ``x_0 … x_{T-1}`` one recurrent step each from ``recurrent`` (left unchanged)::
+
+        S_i = (I − β_i k_i k_iᵀ) Diag(e^{g_i}) S_{i−1} + β_i k_i v_iᵀ,   S_{−1} = recurrent  ->  states[i]
+
+    and writes each conv window ``[tail ; projected inputs]``; :meth:`keep` then makes the cache the one after
+    token ``j_b`` in each row b (a rollback on the device, no replay).
+
+    states:   ``[T_max, B, H, K, V]`` float32, ``states[i]`` the state after token i (each one contiguous: our
+              Triton decode step writes it in place)
+    window_q, window_k, window_v: ``[B, W-1+T_max, H*K]`` (``H*V`` for v): the old tail then the T new projected
+              inputs, oldest first; the tail after token i is rows ``i+1 … i+W-1``.
+    """
+
+    states: Tensor
+    window_q: Tensor
+    window_k: Tensor
+    window_v: Tensor
+
+    def keep(self, j: Tensor, rows: Tensor | None = None) -> None:
+        """Row b keeps the state and conv tails after token ``j_b`` of the last :meth:`KDA.forward_steps`
+        (j: int64 [B] on the device, 0 <= j_b < T; no host read)::
+
+            recurrent[b] = states[j_b, b],   conv_*[b] = window_*[b, j_b+1 … j_b+W-1]ᵀ
+
+        ``rows``: bool [B] or None (all); a row where it is False keeps the cache it had before the step."""
+        B, W1 = self.conv_q.shape[0], self.conv_q.shape[-1]
+        state = self.states[j, torch.arange(B, device=j.device)]  # [B, H, K, V]
+        if rows is not None:
+            state = torch.where(rows[:, None, None, None], state, self.recurrent)
+        self.recurrent.copy_(state)
+        at = j[:, None] + 1 + torch.arange(W1, device=j.device)  # [B, W-1] window rows after token j
+        for tail, window in ((self.conv_q, self.window_q), (self.conv_k, self.window_k), (self.conv_v, self.window_v)):
+            new = window.gather(1, at[:, :, None].expand(B, W1, window.shape[2])).transpose(1, 2)  # [B, D, W-1]
+            tail.copy_(new if rows is None else torch.where(rows[:, None, None], new, tail))
+
+
 def kda_gate(z: Tensor, A_log: Tensor, dt_bias: Tensor, kind: str = "k3",
              lower_bound: float = KDA_GATE_LOWER_BOUND) -> Tensor:
     r"""Per-channel log-decay ``g`` from the forget logits (docs/k3_reference.md §2.1; §13 for the two kinds).
@@ -271,6 +311,8 @@ class KDA(nn.Module):
     def forward(self, x: Tensor, cache: KDACache | None = None) -> tuple[Tensor, KDACache]:
         if x.dim() != 3 or x.shape[-1] != self.cfg.hidden_size:
             raise ValueError(f"x must be [B, T, D] with D={self.cfg.hidden_size}, got {tuple(x.shape)}")
+        if isinstance(cache, StaticKDAStepCache):
+            return self.forward_steps(x, cache)
         B, T, _ = x.shape
         H, K, V = self.num_heads, self.head_k_dim, self.head_v_dim
         past = (None,) * 4 if cache is None else (cache.recurrent, cache.conv_q, cache.conv_k, cache.conv_v)
@@ -300,6 +342,44 @@ class KDA(nn.Module):
                 tail.copy_(new_tail)
             return y, cache
         return y, KDACache(state, conv_q, conv_k, conv_v)
+
+    def forward_steps(self, x: Tensor, cache: StaticKDAStepCache) -> tuple[Tensor, StaticKDAStepCache]:
+        """``T`` tokens (``T <= T_max``) on a :class:`StaticKDAStepCache`, one recurrent step per token, keeping every
+        intermediate state in ``cache.states[i]`` and the conv windows in ``cache.window_*``; ``cache.recurrent`` and
+        the tails are left as they were (:meth:`StaticKDAStepCache.keep` picks a token's). The output is
+        :meth:`forward`'s (each token is the one-token decode step: the Triton decode kernel on CUDA, the torch
+        recurrence on CPU), so it is capturable: fixed shapes, no host reads. x [B, T, D] -> (y [B, T, D], cache)."""
+        if self.cp is not None:
+            raise ValueError("StaticKDAStepCache: decoding does not run under context parallelism (layer.cp is set)")
+        B, T, _ = x.shape
+        H, K, V, W1 = self.num_heads, self.head_k_dim, self.head_v_dim, self.conv_size - 1
+        if T > cache.states.shape[0]:
+            raise ValueError(f"x: {T} tokens, the step cache keeps states for at most {cache.states.shape[0]}")
+        qkv = []
+        for proj, conv, tail, window in ((self.q_proj, self.q_conv1d, cache.conv_q, cache.window_q),
+                                         (self.k_proj, self.k_conv1d, cache.conv_k, cache.window_k),
+                                         (self.v_proj, self.v_conv1d, cache.conv_v, cache.window_v)):
+            p = proj(x)  # [B, T, H*K]
+            y, _ = conv(p, tail)
+            window[:, :W1].copy_(tail.transpose(1, 2))  # [B, W-1, H*K] the tail before the step
+            window[:, W1:W1 + T].copy_(p)
+            qkv.append(y)
+        q = l2norm(qkv[0].view(B, T, H, K))  # [B, T, H, K] float32
+        k = l2norm(qkv[1].view(B, T, H, K))
+        v = qkv[2].view(B, T, H, V)
+        cdt = q.dtype
+        beta = torch.sigmoid(self.b_proj(x).to(cdt))  # [B, T, H]
+        g = kda_gate(self.f_b_proj(self.f_a_proj(x)).view(B, T, H, K), self.A_log, self.dt_bias, self.gate_kind,
+                     self.lower_bound)  # [B, T, H, K]
+        state, outs = cache.recurrent, []
+        for i in range(T):  # S_i from S_{i-1}, written into states[i]
+            o_i, state = self.mix(q[:, i:i + 1], k[:, i:i + 1], v[:, i:i + 1], g[:, i:i + 1], beta[:, i:i + 1], state,
+                                  out_state=cache.states[i])  # [B, 1, H, V]
+            outs.append(o_i)
+        o = torch.cat(outs, dim=1)  # [B, T, H, V]
+        o = F.rms_norm(o.to(cdt), (V,), self.o_norm.weight.to(cdt), self.o_norm.eps)
+        o = torch.sigmoid(self.output_gate(x).to(cdt)).view(B, T, H, V) * o
+        return self.o_proj(o.reshape(B, T, H * V).to(x.dtype)), cache
 
     def output_gate(self, x: Tensor) -> Tensor:
         """The output gate's logits ``W_g x`` [B, T, H*V]: K3's full-rank ``g_proj`` or Kimi Linear's

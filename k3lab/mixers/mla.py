@@ -13,7 +13,9 @@ DeepSeek-V2 MLA with NO positional encoding (NoPE) and a full-rank sigmoid outpu
 
 Two exact forms of the same attention:
 
-* **naive** — expand the cached latent into per-head keys and values (training, prefill);
+* **naive** — expand the cached latent into per-head keys and values (training, prefill; a prefill chunk on a
+  cache, on CUDA without grad, attends to the prefix and to itself apart and merges the two by their
+  log-sum-exp: :func:`prefill_chunk_attention`);
 * **absorbed** — fold ``W^UK`` into the query and ``W^UV`` after the sum, so attention is a
   single-KV-head MQA over the cached ``[c^KV ; k^R]`` (kv_lora + rope numbers a token; 576 in K3)
   with 512-wide values (decode)::
@@ -53,6 +55,12 @@ def latent_norm(norm: nn.RMSNorm, x: Tensor) -> Tensor:
 ATTN_FORMS = ("auto", "naive", "absorbed")
 ABSORBED_MAX_QUERIES = 16  # "auto": a call with a cache and at most this many new tokens decodes in absorbed form
 MAX_LOGIT_QUERY_CHUNK = 1024  # query rows per matmul when max_logit is computed beside a fused kernel
+# A prefill chunk on a cache (CUDA, bf16/fp16, no grad; GatedMLA.attend_naive): "sdpa" is one SDPA call with the
+# lower-right causal mask (memory-efficient kernel); the others split it in two parts merged by their log-sum-exp
+# (prefill_chunk_attention) on that backend; "math" is the plain-PyTorch reference (any device)
+LSE_BACKENDS = ("cudnn", "flash", "efficient", "math")  # chunk_attention_lse: kernels returning the log-sum-exp
+PREFILL_ATTENTION_BACKENDS = ("sdpa",) + LSE_BACKENDS
+PREFILL_ATTENTION = "cudnn"
 
 
 @dataclass
@@ -86,18 +94,30 @@ class StaticMLACache:
     c_kv:     [B, S, kv_lora_rank]      slots for every token the decode will ever hold (S fixed)
     k_rope:   [B, S, qk_rope_head_dim]
     key_mask: [B, S] bool               True where a slot holds a real token (padding and unwritten slots False)
-    length:   int64 [1], on the device  the slot the next token is written to (all MLA layers of a
-              cache share this one tensor; the decoder advances it after each step)
+    length:   int64 [1] or [B], on the device  the slot the next token is written to: [1] one counter
+              shared by every row (plain static decoding), [B] one per row (speculative decoding, where
+              rows accept different numbers of drafts). All MLA layers of a cache share this one tensor;
+              the decoder advances it after each step (and may set it back: a rollback).
 
-    A step writes its token's latent at slot ``length`` of every row and attends to the whole buffer
-    under ``key_mask``: the shapes and addresses never change, so a CUDA graph can replay the step.
-    The math is :class:`MLACache`'s: the same keys, the masked slots weigh exactly 0 after softmax.
+    A step writes its tokens' latents at slots ``length_b, length_b + 1, …`` of every row and attends to the
+    whole buffer under ``key_mask`` (and, among the new tokens, causally): the shapes and addresses never
+    change, so a CUDA graph can replay the step. The math is :class:`MLACache`'s: the same keys, the masked
+    slots weigh exactly 0 after softmax. A rollback to ``length_b`` sets ``length`` and clears the key mask
+    from that slot on (:meth:`rollback`); the rejected latents stay in their slots, masked, until overwritten.
     """
 
     c_kv: Tensor
     k_rope: Tensor
     key_mask: Tensor
     length: Tensor
+
+    def rollback(self, length: Tensor) -> None:
+        """Keep slots ``< length_b`` of each row (length: int64 [B] or [1], on the device; no host read):
+        ``self.length = length``; ``key_mask[b, s] &= s < length_b``."""
+        if length is not self.length:
+            self.length.copy_(length)
+        slots = torch.arange(self.key_mask.shape[1], device=self.key_mask.device)  # [S]
+        self.key_mask.logical_and_(slots < self.length[:, None])  # [B, S]
 
     def nbytes(self) -> int:
         return self.c_kv.numel() * self.c_kv.element_size() + self.k_rope.numel() * self.k_rope.element_size()
@@ -171,6 +191,111 @@ def latent_attention_lowp(q_latent: Tensor, q_rope: Tensor, c_kv: Tensor, k_rope
         mask = mask & key_mask[:, None, None, :]  # [B, 1, T, S]
     p = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
     return torch.bmm(p.to(lp).view(B, H * T, S), c_kv, out_dtype=torch.float32).view(B, H, T, R)
+
+
+def attention_lse_math(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
+    """Softmax attention and its log-sum-exp in float32 (float64 if q is float64), the plain-PyTorch reference of
+    :func:`chunk_attention_lse`::
+
+        s_ij  = scale · q_i · k_j
+        lse_i = log Σ_j e^{s_ij}                  over the keys query i sees
+        o_i   = Σ_j e^{s_ij − lse_i} v_j
+
+    ``causal=False``: every key; ``causal=True``: keys j <= i + S − T (the mask aligned bottom-right; for T = S the
+    ordinary causal mask). q: [B, H, T, K], k: [B, H, S, K], v: [B, H, S, V].
+    Returns (o [B, H, T, V], lse [B, H, T]).
+    """
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    T, S = q.shape[2], k.shape[2]
+    with torch.autocast(q.device.type, enabled=False):
+        scores = torch.matmul(q.to(dtype), k.to(dtype).transpose(-1, -2)) * scale  # [B, H, T, S]
+        if causal:
+            scores = scores.masked_fill(~causal_mask(T, S, S - T, q.device), float("-inf"))
+        lse = torch.logsumexp(scores, dim=-1)  # [B, H, T]
+        return torch.matmul(torch.exp(scores - lse[..., None]), v.to(dtype)), lse
+
+
+def chunk_attention_lse(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool,
+                        backend: str) -> tuple[Tensor, Tensor]:
+    """Softmax attention with its log-sum-exp ``lse_i = log Σ_j e^{scale · q_i · k_j}`` (natural log) on one backend.
+
+    ``causal``: the ordinary causal mask, which needs T = S (square: upper-left = lower-right); else no mask.
+    backend: "cudnn" (``aten._scaled_dot_product_cudnn_attention``: qk and v head dims may differ), "flash"
+    (``aten._scaled_dot_product_flash_attention``: one head dim for q, k, v, so v is zero-padded to qk's — an
+    extra ``[B, H, S, K − V]`` copy and (K + K)/(K + V) of the FLOPs, 1.2× at 192/128 — and the padded output
+    columns, all 0, dropped), "efficient" (``aten._scaled_dot_product_efficient_attention``) or "math"
+    (:func:`attention_lse_math`). The fused ones need CUDA and bf16/fp16; each returns its lse in its own layout
+    ([B, H, T], [B, H, T, 1] or [B, H, ⌈T/32⌉·32]), read here as [B, H, T].
+    q: [B, H, T, K], k: [B, H, S, K], v: [B, H, S, V]. Returns (o [B, H, T, V] in q's dtype, float32 for "math";
+    lse [B, H, T] float32/64).
+    """
+    if backend not in LSE_BACKENDS:
+        raise ValueError(f"backend={backend!r}: allowed values are {LSE_BACKENDS}")
+    B, H, T, K = q.shape
+    if causal and k.shape[2] != T:
+        raise ValueError(f"causal=True: needs as many keys as queries (square mask), got T={T}, S={k.shape[2]}")
+    if backend == "math":
+        return attention_lse_math(q, k, v, scale, causal)
+    if backend == "cudnn":
+        out = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False, scale=scale)
+        o, lse = out[0], out[1]
+    elif backend == "flash":
+        V = v.shape[-1]
+        if V > K:
+            raise ValueError(f"v: flash pads v to qk's head dim, needs V <= K, got V={V}, K={K}")
+        vp = F.pad(v, (0, K - V)) if V < K else v  # [B, H, S, K]: zero columns give zero output columns
+        out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, vp, 0.0, causal, False, scale=scale)
+        o, lse = out[0][..., :V], out[1]
+    else:
+        out = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal, scale=scale)
+        o, lse = out[0], out[1]
+    return o, lse.reshape(B, H, -1)[..., :T].float()  # [B, H, T]
+
+
+def merge_attention_lse(o_a: Tensor, lse_a: Tensor, o_b: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor]:
+    """Softmax attention over two disjoint key sets, exactly, from each set's result and log-sum-exp::
+
+        o   = (e^{lse_a} o_a + e^{lse_b} o_b) / (e^{lse_a} + e^{lse_b})
+        lse = log(e^{lse_a} + e^{lse_b})
+
+    computed stably in float32 (float64 if any input is): with m = max(lse_a, lse_b), w_a = e^{lse_a − m} and
+    w_b = e^{lse_b − m} (both in [0, 1], one of them 1), o = (w_a o_a + w_b o_b) / (w_a + w_b) and
+    lse = m + log(w_a + w_b). An empty set (lse = −inf) weighs 0; every row must see a key in one of them.
+    The merge is associative: merging the returned (o, lse) with a third set's gives the three-set result.
+    o_a, o_b: [B, H, T, V]; lse_a, lse_b: [B, H, T]. Returns (o [B, H, T, V], lse [B, H, T]).
+    """
+    dtype = torch.float64 if torch.float64 in (o_a.dtype, o_b.dtype, lse_a.dtype, lse_b.dtype) else torch.float32
+    lse_a, lse_b = lse_a.to(dtype), lse_b.to(dtype)
+    m = torch.maximum(lse_a, lse_b)  # [B, H, T]
+    w_a, w_b = torch.exp(lse_a - m), torch.exp(lse_b - m)  # [B, H, T]
+    total = w_a + w_b
+    o = (w_a[..., None] * o_a.to(dtype) + w_b[..., None] * o_b.to(dtype)) / total[..., None]  # [B, H, T, V]
+    return o, m + torch.log(total)
+
+
+def prefill_chunk_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, backend: str) -> Tensor:
+    """Causal attention of a prefill chunk on a cache — T queries at positions P .. S − 1 (P = S − T) against the
+    S keys of the cached prefix and the chunk — as two parts merged exactly (:func:`merge_attention_lse`)::
+
+        (a) o_a, lse_a = attention(q, k[:P], v[:P])              no mask: every query sees the whole prefix
+        (b) o_b, lse_b = attention(q, k[P:], v[P:], causal)      square T × T: upper-left mask = lower-right
+        o = (e^{lse_a} o_a + e^{lse_b} o_b) / (e^{lse_a} + e^{lse_b})
+
+    equal to ``attention_math(q, k, v, scale, offset=P)`` (tests/test_mla_prefill_merge.py). Each part runs on a
+    kernel that returns its log-sum-exp (:func:`chunk_attention_lse`, ``backend``), so no [T, S] mask or score
+    matrix is built and the fused kernels' fast unmasked / square-causal forms are used instead of a lower-right
+    mask. P = 0 is part (b) alone.
+    q: [B, H, T, K], k: [B, H, S, K], v: [B, H, S, V] with S >= T. Returns o [B, H, T, V] float32 (float64 in).
+    """
+    T, S = q.shape[2], k.shape[2]
+    if S < T:
+        raise ValueError(f"k: a chunk on a cache needs S >= T keys, got S={S}, T={T}")
+    P = S - T
+    o_b, lse_b = chunk_attention_lse(q, k[:, :, P:], v[:, :, P:], scale, True, backend)  # [B, H, T, V], [B, H, T]
+    if P == 0:
+        return o_b.to(torch.promote_types(o_b.dtype, torch.float32))
+    o_a, lse_a = chunk_attention_lse(q, k[:, :, :P], v[:, :, :P], scale, False, backend)
+    return merge_attention_lse(o_a, lse_a, o_b, lse_b)[0]
 
 
 @torch.no_grad()
@@ -284,8 +409,15 @@ class GatedMLA(nn.Module):
         low_precision = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and key_mask is None
         fused = low_precision and offset == 0 and q.shape[2] == S
         if low_precision and offset > 0 and q.shape[2] + offset == S and not (self.training and self.track_max_logit):
-            # a prompt chunk on top of a cache (chunked prefill): the causal mask aligns bottom-right; SDPA's
-            # memory-efficient kernel takes that mask without materialising [T, S] (qk 192 / v 128 allowed)
+            # a prompt chunk on top of a cache (chunked prefill): the causal mask aligns bottom-right
+            if PREFILL_ATTENTION not in PREFILL_ATTENTION_BACKENDS:
+                raise ValueError(f"PREFILL_ATTENTION={PREFILL_ATTENTION!r}: allowed values are "
+                                 f"{PREFILL_ATTENTION_BACKENDS}")
+            if PREFILL_ATTENTION != "sdpa" and not torch.is_grad_enabled():
+                # inference: prefix (no mask) and chunk (square causal) apart, merged by log-sum-exp, on a fast kernel
+                return prefill_chunk_attention(q, k, v, self.scale, PREFILL_ATTENTION).transpose(1, 2)
+            # SDPA's memory-efficient kernel takes the lower-right mask without materialising [T, S] (qk 192 / v 128
+            # allowed; flash refuses them)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q.shape[2], S), scale=self.scale)
             return o.float().transpose(1, 2)
         if fused:
@@ -353,21 +485,72 @@ class GatedMLA(nn.Module):
         return self.o_proj(o.to(x.dtype))
 
     def forward_static(self, x: Tensor, cache: StaticMLACache) -> tuple[Tensor, StaticMLACache]:
-        """One decode token per row on a :class:`StaticMLACache`: write its latent at slot ``cache.length``,
-        attend (absorbed form) to every slot under the key mask. x [B, 1, D] -> (y [B, 1, D], the same cache)."""
+        """``T`` tokens per row on a :class:`StaticMLACache`: write their latents at slots ``length_b + i``
+        (i < T), attend (absorbed form) to every slot under the key mask. x [B, T, D] -> (y [B, T, D], the same
+        cache); ``cache.length`` is not advanced (the decoder does that).
+
+        * T = 1 with one shared counter (``length`` [1]; plain static decoding): the query sits after every slot
+          and the key mask alone decides what it sees;
+        * otherwise (the speculative verify of ``k + 1`` tokens, the MTP head's pending entries, per-row
+          counters ``length`` [B]): query i of row b sees ``mask[b, i, s] = key_mask[b, s] ∧ s ≤ length_b + i``
+          (:meth:`attend_static`) — the new tokens causally, and the slots of rejected drafts of an earlier step
+          that lie beyond them not at all. Under RoPE token i of row b sits at position (real keys before it) + i.
+        """
         B, T, _ = x.shape
-        if T != 1:
-            raise ValueError(f"StaticMLACache: one token a step (x [B, 1, D]), got T={T}")
         if self.cp is not None:
             raise ValueError("StaticMLACache: decoding does not run under context parallelism (layer.cp is set)")
-        positions = cache.key_mask.sum(1, keepdim=True) if self.use_rope else None  # [B, 1] real keys before it
+        if T == 1 and cache.length.numel() == 1:
+            positions = cache.key_mask.sum(1, keepdim=True) if self.use_rope else None  # [B, 1] real keys before it
+            q_nope, q_rope, c_kv, k_rope = self.project(x, 0, positions)
+            cache.c_kv.index_copy_(1, cache.length, c_kv.to(cache.c_kv.dtype))  # [B, S, R], slot `length`
+            cache.k_rope.index_copy_(1, cache.length, k_rope.to(cache.k_rope.dtype))
+            cache.key_mask.index_fill_(1, cache.length, True)
+            S = cache.c_kv.shape[1]  # the query sits after every slot: the key mask alone decides what it sees
+            o = self.attend_absorbed(q_nope, q_rope, cache.c_kv, cache.k_rope, S - 1, cache.key_mask).flatten(2)
+            return self.output(x, o), cache
+        new = torch.arange(T, device=x.device)  # [T]
+        positions = cache.key_mask.sum(1, keepdim=True) + new if self.use_rope else None  # [B, T]
         q_nope, q_rope, c_kv, k_rope = self.project(x, 0, positions)
-        cache.c_kv.index_copy_(1, cache.length, c_kv.to(cache.c_kv.dtype))  # [B, S, R], slot `length`
-        cache.k_rope.index_copy_(1, cache.length, k_rope.to(cache.k_rope.dtype))
-        cache.key_mask.index_fill_(1, cache.length, True)
-        S = cache.c_kv.shape[1]  # the query sits after every slot: the key mask alone decides what it sees
-        o = self.attend_absorbed(q_nope, q_rope, cache.c_kv, cache.k_rope, S - 1, cache.key_mask).flatten(2)
-        return self.output(x, o), cache
+        slots = cache.length.expand(B)[:, None] + new  # [B, T] the slot of each new token
+        R, P, S = c_kv.shape[-1], k_rope.shape[-1], cache.c_kv.shape[1]
+        cache.c_kv.scatter_(1, slots[:, :, None].expand(B, T, R), c_kv.to(cache.c_kv.dtype))  # [B, S, R]
+        cache.k_rope.scatter_(1, slots[:, :, None].expand(B, T, P), k_rope.to(cache.k_rope.dtype))  # [B, S, ρ]
+        cache.key_mask.scatter_(1, slots, True)
+        seen = torch.arange(S, device=x.device) <= slots[:, :, None]  # [B, T, S]
+        o = self.attend_static(q_nope, q_rope, cache.c_kv, cache.k_rope, cache.key_mask[:, None, :] & seen)
+        return self.output(x, o.flatten(2)), cache
+
+    def attend_static(self, q_nope: Tensor, q_rope: Tensor, c_kv: Tensor, k_rope: Tensor, mask: Tensor) -> Tensor:
+        """The absorbed form (:meth:`attend_absorbed`) under a per-row, per-query mask ``[B, T, S]``::
+
+            s_bhis = (W^UK,hᵀ q^C_bhi · c_bs + q^R_bhi · k^R_bs) · scale,   −∞ where ¬mask[b, i, s]
+            o_bhi  = W^UV,h Σ_s softmax_s(s_bhis) c_bs
+
+        In float32 (float64 in) on the cache as it lies; a bf16/fp16 cache on CUDA runs the two bf16 GEMMs with
+        float32 accumulation of :func:`latent_attention_lowp`. Every query must see at least one slot.
+        q_nope [B, T, H, nope], q_rope [B, T, H, ρ], c_kv [B, S, R], k_rope [B, S, ρ]. Returns o [B, T, H, V]."""
+        W_UK, W_UV = self.kv_b_weights()  # [H, nope, R], [H, V, R]
+        B, T, H, _ = q_nope.shape
+        S, R = c_kv.shape[1], c_kv.shape[2]
+        dtype = torch.float64 if q_nope.dtype == torch.float64 else torch.float32
+        with torch.autocast(q_nope.device.type, enabled=False):
+            q_latent = torch.einsum("bthn,hnr->bthr", q_nope.to(dtype), W_UK.to(dtype))  # [B, T, H, R]
+            hidden = ~mask[:, None]  # [B, 1, T, S]
+            if c_kv.is_cuda and c_kv.dtype in (torch.bfloat16, torch.float16):
+                lp = c_kv.dtype
+                ql = q_latent.to(lp).transpose(1, 2).reshape(B, H * T, R)  # [B, H·T, R]: one GEMM for all heads (MQA)
+                qr = q_rope.to(lp).transpose(1, 2).reshape(B, H * T, -1)  # [B, H·T, ρ]
+                scores = torch.bmm(ql, c_kv.mT, out_dtype=torch.float32) + torch.bmm(qr, k_rope.to(lp).mT,
+                                                                                     out_dtype=torch.float32)
+                p = (scores.view(B, H, T, S) * self.scale).masked_fill(hidden, float("-inf")).softmax(dim=-1)
+                o_latent = torch.bmm(p.to(lp).view(B, H * T, S), c_kv, out_dtype=torch.float32).view(B, H, T, R)
+            else:
+                q = torch.cat([q_latent, q_rope.to(dtype)], dim=-1).transpose(1, 2)  # [B, H, T, R + ρ]
+                k = torch.cat([c_kv, k_rope], dim=-1)[:, None].to(dtype)  # [B, 1, S, R + ρ]
+                scores = torch.matmul(q, k.transpose(-1, -2)) * self.scale  # [B, H, T, S]
+                p = scores.masked_fill(hidden, float("-inf")).softmax(dim=-1)
+                o_latent = torch.matmul(p, c_kv[:, None].to(dtype))  # [B, H, T, R]
+            return torch.einsum("bhtr,hvr->bthv", o_latent, W_UV.to(dtype))  # [B, T, H, V]
 
     def cache_numbers_per_token(self) -> int:
         """Numbers cached per token by this layer: kv_lora_rank + qk_rope_head_dim (576 in K3)."""
