@@ -8,8 +8,8 @@ context, MTP speculative decoding, and passkey retrieval past the training lengt
 Sections (``--sections``, default all):
 
 * ``check``   — the fast paths against the references at a small size, in the benchmark's dtype:
-  chunked prefill vs one forward (logits), the MLA chunk-on-cache SDPA path (lower-right causal mask)
-  vs the fp32 math path, decoding on ``--backend`` (Triton decode step on CUDA) vs the torch backend;
+  chunked prefill vs one forward (logits), the MLA chunk-on-cache path (on CUDA without grad: prefix +
+  chunk on cuDNN merged by log-sum-exp) vs the fp32 math path, decoding on ``--backend`` (Triton decode step on CUDA) vs the torch backend;
 * ``prefill`` — ``--context`` random tokens through the ``--preset`` model (weights in ``--dtype``) in
   chunks of ``--chunk`` (``k3lab.infer.prefill_rows``): wall time (synchronised), tokens/s, peak memory
   (``torch.cuda.max_memory_allocated`` after a reset; weights included), the cache bytes held at the
@@ -22,7 +22,8 @@ Sections (``--sections``, default all):
   vs ``draft=k`` for each ``--spec-k``: acceptance (accepted / drafted), tokens per verify forward,
   decode tokens/s, speedup = plain decode time / speculative decode time, and how many rows came out
   identical to plain greedy (in bf16 a verify forward over k+1 tokens rounds differently from k+1 one-token
-  steps, so a near-tie can flip; in fp32 on CPU they are identical, tests/test_infer.py);
+  steps, so a near-tie can flip; in fp32 on CPU they are identical, tests/test_infer.py); first the graphed decoder
+  (batch 1, 4K context): graphed plain vs graphed ``draft=k``;
 * ``passkey`` — the tiny preset (dense MLPs, a 64-token synthetic vocabulary, as notebook 05) trained
   ``--passkey-steps`` steps on passkey rows of ``--passkey-train-len`` tokens, then asked for the key
   at 1×, 4×, 16×, … ``--passkey-max-multiple``× that length through ``k3lab.infer.generate`` (chunked

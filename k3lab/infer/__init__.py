@@ -8,7 +8,8 @@
   one CUDA graph replay a step (``generate(decoder="graph")``);
 * :mod:`k3lab.infer.prefix` — :class:`PrefixCache`: KDA states and MLA pages per prompt block, LRU,
   host tier;
-* :mod:`k3lab.infer.speculative` — MTP drafts, one verify forward, KDA state rollback by replay;
+* :mod:`k3lab.infer.speculative` — MTP drafts, one verify forward, KDA state rollback by replay (the
+  static/graphed decoder keeps per-step states instead, :mod:`k3lab.infer.static`);
 * :mod:`k3lab.infer.sampling`, :mod:`k3lab.infer.cache` — the next-token rule, cache rows;
 * :mod:`k3lab.infer.measure` — the three costs of inference measured, per-token losses.
 """
