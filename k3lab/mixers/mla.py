@@ -166,7 +166,7 @@ def attention_math(q: Tensor, k: Tensor, v: Tensor, scale: float, offset: int,
 
 
 def latent_attention_lowp(q_latent: Tensor, q_rope: Tensor, c_kv: Tensor, k_rope: Tensor, scale: float, offset: int,
-                          key_mask: Tensor | None = None) -> Tensor:
+                          key_mask: Tensor | None = None, limit: Tensor | None = None) -> Tensor:
     """The absorbed form's attention reading a bf16/fp16 latent cache where it lies (CUDA decoding)::
 
         s_hj = (q^lat_h . c_j + q^R_h . k^R_j) * scale     bf16 GEMMs, float32 accumulation and output
@@ -177,11 +177,29 @@ def latent_attention_lowp(q_latent: Tensor, q_rope: Tensor, c_kv: Tensor, k_rope
     every call: at 1M tokens that is gigabytes a layer a step). Rounding q and p to bf16 is what
     FlashAttention-style kernels do; the result is within bf16 tolerance of the float32 math (tested).
 
+    Decode-like calls (T·H ≤ 64, no gradient needed) run the split-K Triton kernel
+    :func:`k3lab.kernels.mla_decode.mla_decode_attention` when ``k3lab.kernels.mla_decode.ENABLED`` (default):
+    each cache tile is read once for both products, no ``[B, H·T, S]`` score matrix is materialised, and the
+    call stays CUDA-graph capturable. The two bf16 ``bmm`` calls below are the other calls' path and the
+    kernel's reference. They differ only where a query sees no slot at all (the kernel: 0; softmax: NaN), which
+    the layer never produces — each query sees at least its own token.
+
     q_latent: [B, T, H, R] float32; q_rope: [B, T, H, ρ]; c_kv: [B, S, R]; k_rope: [B, S, ρ] (one KV head);
-    key_mask: [B, S] bool or None. Returns o_latent [B, H, T, R] float32.
+    key_mask: [B, S] bool or None; limit: [B, T] int64 or None — query t of row b also sees only slots
+    ``j ≤ limit[b, t]`` (on top of the causal ``j ≤ offset + t``; a per-row limit such as the static cache's
+    ``length_b + t``). Returns o_latent [B, H, T, R] float32.
     """
     B, T, H, R = q_latent.shape
     S, lp = c_kv.shape[1], c_kv.dtype
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q_latent, q_rope, c_kv, k_rope))
+    if c_kv.is_cuda and lp in (torch.bfloat16, torch.float16) and not needs_grad:
+        from k3lab.kernels import mla_decode  # triton: imported on the CUDA path only
+
+        if mla_decode.ENABLED and T * H <= mla_decode.MAX_QUERY_ROWS:
+            if offset < S - 1:  # the causal limit cuts into the cache: j <= offset + t
+                causal = (torch.arange(T, device=c_kv.device) + offset).expand(B, T)  # [B, T], no host read
+                limit = causal if limit is None else torch.minimum(limit, causal)
+            return mla_decode.mla_decode_attention(q_latent, q_rope, c_kv, k_rope, scale, key_mask, limit)
     ql = q_latent.to(lp).transpose(1, 2).reshape(B, H * T, R)  # [B, H·T, R]: every head a row of one GEMM (MQA)
     qr = q_rope.to(lp).transpose(1, 2).reshape(B, H * T, -1)  # [B, H·T, ρ]
     scores = torch.bmm(ql, c_kv.mT, out_dtype=torch.float32) + torch.bmm(qr, k_rope.to(lp).mT, out_dtype=torch.float32)
@@ -189,6 +207,8 @@ def latent_attention_lowp(q_latent: Tensor, q_rope: Tensor, c_kv: Tensor, k_rope
     mask = causal_mask(T, S, offset, c_kv.device)  # [T, S]
     if key_mask is not None:
         mask = mask & key_mask[:, None, None, :]  # [B, 1, T, S]
+    if limit is not None:
+        mask = mask & (torch.arange(S, device=c_kv.device) <= limit[:, :, None])[:, None]  # [B, 1, T, S]
     p = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
     return torch.bmm(p.to(lp).view(B, H * T, S), c_kv, out_dtype=torch.float32).view(B, H, T, R)
 
