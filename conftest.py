@@ -1,11 +1,13 @@
 """Repository-wide pytest hooks: after a run that included notebooks (nbval), print the slowest ones; before a
-run of the GPU tests, restore fla's recorded autotuning into Triton's cache.
+run of the GPU tests, restore fla's recorded autotuning into Triton's cache and pin every Triton autotuner to one
+configuration (``k3lab.kernels.autotune``; ``K3LAB_PIN_AUTOTUNE=0`` leaves autotuning as it is).
 
 nbval makes one test item per cell, so pytest's ``--durations`` lists cells; this adds up setup, call
 and teardown of every cell (the kernel start included) per notebook and flags any notebook over the
 course budget (90 s on 2 CPU cores).
 """
 
+import json
 import os
 import tarfile
 from collections import defaultdict
@@ -43,12 +45,51 @@ def restore_fla_autotuning(dest: Path) -> int:
     return written
 
 
+def recorded_best_configs(archives=FLA_AUTOTUNE_CACHES) -> dict[str, list[dict]]:
+    """Kernel name -> the fastest configuration of each recorded autotuning of it in ``archives`` (the
+    ``*.autotune.json`` files of ``kernels/fla*-autotune.tgz``: bf16, an H200), as ``{"kwargs", "num_warps",
+    "num_stages"}`` dicts, each once: the configurations a pinned test run tries first (``k3lab.kernels.autotune``)."""
+    table: dict[str, list[dict]] = defaultdict(list)
+    for archive in archives:
+        with tarfile.open(archive) as tar:
+            for member in tar.getmembers():
+                if not (member.isfile() and member.name.endswith(".autotune.json")):
+                    continue
+                timings = json.loads(tar.extractfile(member).read())["configs_timings"]  # [[config, [ms, ...]], ...]
+                best, _ = min(timings, key=lambda entry: entry[1])  # Infinity: did not compile or fit
+                entry = {"kwargs": best["kwargs"], "num_warps": best["num_warps"], "num_stages": best["num_stages"]}
+                name = Path(member.name).name[: -len(".autotune.json")]
+                if entry not in table[name]:
+                    table[name].append(entry)
+    return dict(table)
+
+
+def selects_gpu_tests(markexpr: str) -> bool:
+    """Whether a ``-m`` expression selects the ``gpu`` tests (``gpu``, ``slow or gpu``, ``gpu and not dist``, ...)."""
+    markexpr = (markexpr or "").replace(" ", "")
+    return markexpr.startswith("gpu") or "orgpu" in markexpr or "andgpu" in markexpr
+
+
+def pin_test_autotuning(env=os.environ):
+    """Pin every Triton autotuner (fla's) to one configuration, fla's recorded fastest first, unless
+    ``K3LAB_PIN_AUTOTUNE=0``: GPU tests check results, and autotuning fla's kernels for each new dtype and
+    shape took minutes (issue 27 item 5). Returns the undo function, or None where nothing was pinned."""
+    if env.get("K3LAB_PIN_AUTOTUNE", "1") == "0":
+        return None
+    try:
+        from k3lab.kernels.autotune import pin_autotuning
+    except ImportError:  # no triton here: nothing autotunes
+        return None
+    return pin_autotuning(recorded_best_configs())
+
+
 def pytest_configure(config):
-    """A run that selects the GPU tests (``-m gpu``) starts with fla's recorded autotuning restored, so its
-    first calls compile without minutes of autotuning (issue 27: GPU tests that fit a working session)."""
-    markexpr = (config.getoption("markexpr", "") or "").replace(" ", "")
-    if markexpr.startswith("gpu") or "orgpu" in markexpr or "andgpu" in markexpr:
+    """A run that selects the GPU tests (``-m gpu``) starts with every autotuner pinned to one configuration, so
+    first calls compile once, without minutes of autotuning (issue 27: GPU tests that fit a working session); and
+    with fla's recorded autotuning restored, which the pinned autotuners do not read but an unpinned run does."""
+    if selects_gpu_tests(config.getoption("markexpr", "")):
         restore_fla_autotuning(triton_cache_dir())
+        pin_test_autotuning()
 
 
 def notebook_seconds(stats: dict) -> dict[str, float]:

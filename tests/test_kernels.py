@@ -28,6 +28,11 @@ TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2}  # relative error, K3 brief
 GATE_LOWER_BOUND = KDA_GATE_LOWER_BOUND
 
 needs_kernels = pytest.mark.skipif(not KERNELS_RUN_HERE, reason="runs in test_interpreter_suite's subprocess")
+# Heads of every K = 128 case on the GPU, as tests/test_kda.py's KDA layer on the triton backend. H, K, V, the dtype
+# and packing are compile-time constants of the kernels (T is not), and a set of the twelve at K = 128 took 50-57 s
+# (fp32) or 16-22 s (bf16) to compile for sm90 on a 2-core CPU: one H lets these cases share each set. With 16
+# heads B·H reaches the state kernels' value blocks 32 and 64 (LAUNCH's min_programs), which B·H = 8 never did.
+GPU_HEADS = 16
 
 
 def kda_inputs(B, T, H, K, V, dtype, seed, with_state=True, num_states=None):
@@ -87,8 +92,9 @@ def test_interpreter_suite():
 @pytest.mark.parametrize(
     "B, T, H, K, V, with_state",
     [(1, 64, 1, 16, 16, True), (2, 37, 2, 16, 32, False), (1, 130, 1, 32, 16, True),
-     pytest.param(1, 80, 1, 128, 128, True, marks=pytest.mark.gpu)],  # K = 128: the interpreter's slowest case
-    ids=["B1-T64-H1-K16-V16-h0", "B2-T37-H2-K16-V32", "B1-T130-H1-K32-V16-h0", "B1-T80-H1-K128-V128-h0"],
+     # K = 128: the interpreter's slowest case; on the GPU with GPU_HEADS, reusing the model-size cases' kernels
+     pytest.param(2, 80, GPU_HEADS, 128, 128, True, marks=pytest.mark.gpu)],
+    ids=["B1-T64-H1-K16-V16-h0", "B2-T37-H2-K16-V32", "B1-T130-H1-K32-V16-h0", "B2-T80-H16-K128-V128-h0"],
 )
 def test_chunk_fp32(B, T, H, K, V, with_state):
     check_against_reference(B, T, H, K, V, torch.float32, seed=T, with_state=with_state)
@@ -106,8 +112,8 @@ PACKED = [[37, 64, 1, 100], [130]]  # sequence lengths: partial, full, one-token
 @pytest.mark.parametrize(
     "lengths, H, K, V, with_state",
     [(PACKED[0], 2, 16, 32, True), (PACKED[1], 1, 32, 16, False),
-     pytest.param([20, 70], 1, 128, 128, True, marks=pytest.mark.gpu)],
-    ids=["N4-T202-H2-K16-V32-h0", "N1-T130-H1-K32-V16", "N2-T90-H1-K128-V128-h0"],
+     pytest.param([20, 70], GPU_HEADS, 128, 128, True, marks=pytest.mark.gpu)],
+    ids=["N4-T202-H2-K16-V32-h0", "N1-T130-H1-K32-V16", "N2-T90-H16-K128-V128-h0"],
 )
 def test_chunk_packed_fp32(lengths, H, K, V, with_state):
     check_against_reference(1, sum(lengths), H, K, V, torch.float32, seed=len(lengths), with_state=with_state,
@@ -122,8 +128,8 @@ def test_chunk_packed_bf16():
 @needs_kernels
 @pytest.mark.parametrize("lengths, B, T, H, K, V", [
     ([20, 70], 1, 90, 1, 16, 32),
-    pytest.param(None, 2, 4096, 4, 128, 128, marks=pytest.mark.gpu),
-], ids=["packed-N2-T90", "B2-T4096-H4-K128"])
+    pytest.param(None, 2, 4096, GPU_HEADS, 128, 128, marks=pytest.mark.gpu),
+], ids=["packed-N2-T90", "B2-T4096-H16-K128"])
 def test_chunk_recompute_equals_saving_variant(lengths, B, T, H, K, V):
     """``recompute=True`` keeps only the inputs and re-runs the forward kernels in backward: the output,
     final state and every gradient are bit-identical to the saving variant's (deterministic kernels)."""
@@ -177,7 +183,7 @@ def test_decode_step_continues_the_chunked_prefill():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("T", [1000, 4096], ids=["T1000", "T4096"])
 def test_chunk_gpu_model_size(T, dtype):
-    check_against_reference(2, T, 4, 128, 128, dtype, seed=T)
+    check_against_reference(2, T, GPU_HEADS, 128, 128, dtype, seed=T)
 
 
 @pytest.mark.gpu
@@ -185,7 +191,7 @@ def test_chunk_gpu_model_size(T, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_chunk_packed_gpu_model_size(dtype):
     lengths = [1000, 37, 3059, 64, 1]  # chunk-aligned, mid-chunk and one-token documents
-    check_against_reference(1, sum(lengths), 4, 128, 128, dtype, seed=7, lengths=lengths)
+    check_against_reference(1, sum(lengths), GPU_HEADS, 128, 128, dtype, seed=7, lengths=lengths)
 
 
 def test_bad_inputs_raise():
@@ -284,16 +290,17 @@ def test_packed_bad_inputs_raise(chunk, cu_seqlens, B, h0_shape, match):
 
 
 @needs_kernels
-@pytest.mark.parametrize("K, V", [(16, 16), (32, 16), pytest.param(128, 128, marks=pytest.mark.gpu)],
-                         ids=["K16-V16", "K32-V16", "K128-V128"])
-def test_kcp_augmented_call(K, V):
+@pytest.mark.parametrize("K, V, H", [(16, 16, 2), (32, 16, 2),
+                                     pytest.param(128, 128, GPU_HEADS, marks=pytest.mark.gpu)],  # GPU_HEADS: shares the
+                         ids=["K16-V16", "K32-V16", "K128-V128"])                # fp32 key-side kernels of the cases above
+def test_kcp_augmented_call(K, V, H):
     """KCP's summary call (k3lab.parallel.context): values ``[v | 0_K]`` (width V+K ≤ 256) from the state
     ``[0 | I]`` give the final state ``[S̃ | M]`` and output columns ``[o⁰ | r]`` — on the Triton kernels
     as on the reference, gradients included (the backward of the whole KCP step runs through it)."""
     T = 80 if K == 128 else 70
-    q, k, v, g, beta, _ = kda_inputs(1, T, 2, K, V, torch.float32, seed=K + V, with_state=False)
+    q, k, v, g, beta, _ = kda_inputs(1, T, H, K, V, torch.float32, seed=K + V, with_state=False)
     v_aug = torch.cat([v, torch.zeros(*v.shape[:-1], K, device=DEVICE)], -1)                 # [B, T, H, V+K]
-    h0 = torch.cat([torch.zeros(1, 2, K, V), torch.eye(K).expand(1, 2, K, K)], -1).to(DEVICE)  # [B, H, K, V+K]
+    h0 = torch.cat([torch.zeros(1, H, K, V), torch.eye(K).expand(1, H, K, K)], -1).to(DEVICE)  # [B, H, K, V+K]
     leaves = [x.clone().requires_grad_() for x in (q, k, v_aug, g, beta)]
     o, ht = triton_kda_chunk(*leaves, initial_state=h0, output_final_state=True)
     gen = torch.Generator().manual_seed(3)

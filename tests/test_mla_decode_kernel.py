@@ -241,7 +241,9 @@ def test_limit_matches_bmm_path_gpu(monkeypatch):
 
     B, T, S = 8, 4, 4096
     q_latent, q_rope, c_kv, k_rope, key_mask, scale = cuda_inputs(B, T, S, seed=1)
-    length = torch.tensor([10, 100, 1000, 4000, 4092, 64, 65, 3000], device="cuda")
+    # rows 4-7 are left-padded over their first S // 5 = 819 slots: their lengths reach past the padding (a row
+    # that sees no slot is NaN on the bmm path, 0 from the kernel; the layer never makes one)
+    length = torch.tensor([10, 100, 1000, 4000, 4092, 900, 901, 3000], device="cuda")
     limit = length[:, None] + torch.arange(T, device="cuda")
     key_mask &= torch.arange(S, device="cuda") <= limit[:, -1:]
     got = latent_attention_lowp(q_latent, q_rope, c_kv, k_rope, scale, S - 1, key_mask, limit)
