@@ -138,6 +138,13 @@ def allocate(pre: Prefilled, rows: int, slots: int, new_tokens: int, stop: Tenso
                    torch.zeros(rows, **zeros), stop.to(device))
 
 
+def copy_kda_rows(dst: KDACache, src: KDACache, fill: Tensor) -> None:
+    """``dst``'s state and conv tails (in place) = ``src``'s rows ``fill`` [rows]."""
+    for d, s in zip((dst.recurrent, dst.conv_q, dst.conv_k, dst.conv_v),
+                    (src.recurrent, src.conv_q, src.conv_k, src.conv_v)):
+        d.copy_(s.index_select(0, fill))
+
+
 def load(buf: Buffers, pre: Prefilled, seeds: Tensor) -> None:
     """Copy the prefilled rows into the buffers (extra rows: copies of row 0, marked done)."""
     B, rows = pre.logits.shape[0], buf.tokens.shape[0]
@@ -145,9 +152,7 @@ def load(buf: Buffers, pre: Prefilled, seeds: Tensor) -> None:
     S0 = pre.cache.offset
     for dst, src in zip(buf.cache.layers, pre.cache.layers):
         if isinstance(dst, KDACache):
-            for d, s in zip((dst.recurrent, dst.conv_q, dst.conv_k, dst.conv_v),
-                            (src.recurrent, src.conv_q, src.conv_k, src.conv_v)):
-                d.copy_(s.index_select(0, fill))
+            copy_kda_rows(dst, src, fill)
             continue
         assert isinstance(src, MLACache)
         dst.c_kv[:, :S0].copy_(src.c_kv.index_select(0, fill))
@@ -258,9 +263,7 @@ def load_spec(buf: SpecBuffers, pre: Prefilled) -> None:
     mla_done = False
     for dst, src in zip(buf.cache.layers, pre.cache.layers):
         if isinstance(dst, KDACache):
-            for d, s in zip((dst.recurrent, dst.conv_q, dst.conv_k, dst.conv_v),
-                            (src.recurrent, src.conv_q, src.conv_k, src.conv_v)):
-                d.copy_(s.index_select(0, fill))
+            copy_kda_rows(dst, src, fill)
             continue
         S0 = src.c_kv.shape[1]
         dst.c_kv[:, :S0].copy_(src.c_kv.index_select(0, fill))
@@ -300,6 +303,12 @@ def decoder_for(model, graph: bool) -> "StaticDecoder":
     if graph not in per_model:
         per_model[graph] = StaticDecoder(model, graph, compile=graph and COMPILE_GRAPHED)
     return per_model[graph]
+
+
+def cut_at_stop(rows: list[list[int]], stop) -> list[list[int]]:
+    """Each row up to and including its first ``stop`` token (the rest recorded pad after it)."""
+    stops = set(stop)
+    return [row[:next((i + 1 for i, t in enumerate(row) if t in stops), len(row))] for row in rows]
 
 
 class StaticDecoder:
@@ -425,11 +434,7 @@ class StaticDecoder:
                 stats.decode_s += time.perf_counter() - t0
         finally:
             model.train(was_training)
-        stops = set(stop)
-        result = []
-        for row in out:
-            end = next((i + 1 for i, t in enumerate(row) if t in stops), len(row))
-            result.append(row[:end])
+        result = cut_at_stop(out, stop)
         if stats is not None:
             stats.new_tokens += sum(len(r) for r in result)
         return result
@@ -553,12 +558,7 @@ class StaticDecoder:
                 stats.decode_s += time.perf_counter() - t0
         finally:
             model.train(was_training)
-        stops = set(stop)
-        result = []
-        for row, n in zip(out, emitted):
-            row = row[:min(n, max_new_tokens)]
-            end = next((i + 1 for i, t in enumerate(row) if t in stops), len(row))
-            result.append(row[:end])
+        result = cut_at_stop([row[:min(n, max_new_tokens)] for row, n in zip(out, emitted)], stop)
         if stats is not None:
             stats.new_tokens += sum(len(r) for r in result)
             stats.forwards += max(verifies)
