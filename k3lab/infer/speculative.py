@@ -99,11 +99,9 @@ def rollback(model, before: K3Cache, after: K3Cache, kda_inputs: dict, keep: int
 
 def accept_greedy(logits: Tensor, drafts: list[int]) -> tuple[int, int]:
     """logits [k+1, V] of the verify forward, drafts (k ids) -> (accepted j, next token = argmax logits[j])."""
-    best = logits.argmax(dim=-1).tolist()
-    j = 0
-    while j < len(drafts) and drafts[j] == best[j]:
-        j += 1
-    return j, best[j]
+    best = logits.argmax(dim=-1)  # [k+1]
+    j = int(accept_greedy_rows(best[None], torch.tensor(drafts, dtype=torch.long, device=best.device)[None]))
+    return j, int(best[j])
 
 
 def accept_greedy_rows(best: Tensor, drafts: Tensor) -> Tensor:

@@ -536,39 +536,34 @@ class GatedMLA(nn.Module):
         cache.c_kv.scatter_(1, slots[:, :, None].expand(B, T, R), c_kv.to(cache.c_kv.dtype))  # [B, S, R]
         cache.k_rope.scatter_(1, slots[:, :, None].expand(B, T, P), k_rope.to(cache.k_rope.dtype))  # [B, S, ρ]
         cache.key_mask.scatter_(1, slots, True)
-        seen = torch.arange(S, device=x.device) <= slots[:, :, None]  # [B, T, S]
-        o = self.attend_static(q_nope, q_rope, cache.c_kv, cache.k_rope, cache.key_mask[:, None, :] & seen)
+        o = self.attend_static(q_nope, q_rope, cache.c_kv, cache.k_rope, cache.key_mask, slots)
         return self.output(x, o.flatten(2)), cache
 
-    def attend_static(self, q_nope: Tensor, q_rope: Tensor, c_kv: Tensor, k_rope: Tensor, mask: Tensor) -> Tensor:
-        """The absorbed form (:meth:`attend_absorbed`) under a per-row, per-query mask ``[B, T, S]``::
+    def attend_static(self, q_nope: Tensor, q_rope: Tensor, c_kv: Tensor, k_rope: Tensor, key_mask: Tensor,
+                      limit: Tensor) -> Tensor:
+        """The absorbed form (:meth:`attend_absorbed`) where query i of row b sees the slots ``s`` with
+        ``key_mask[b, s] ∧ s ≤ limit[b, i]``::
 
-            s_bhis = (W^UK,hᵀ q^C_bhi · c_bs + q^R_bhi · k^R_bs) · scale,   −∞ where ¬mask[b, i, s]
+            s_bhis = (W^UK,hᵀ q^C_bhi · c_bs + q^R_bhi · k^R_bs) · scale,   −∞ where the slot is hidden
             o_bhi  = W^UV,h Σ_s softmax_s(s_bhis) c_bs
 
-        In float32 (float64 in) on the cache as it lies; a bf16/fp16 cache on CUDA runs the two bf16 GEMMs with
-        float32 accumulation of :func:`latent_attention_lowp`. Every query must see at least one slot.
-        q_nope [B, T, H, nope], q_rope [B, T, H, ρ], c_kv [B, S, R], k_rope [B, S, ρ]. Returns o [B, T, H, V]."""
+        A bf16/fp16 cache on CUDA runs :func:`latent_attention_lowp` (its ``limit``; the split-K kernel for
+        decode-sized calls); otherwise float32 math (float64 in). Every query must see at least one slot.
+        q_nope [B, T, H, nope], q_rope [B, T, H, ρ], c_kv [B, S, R], k_rope [B, S, ρ], key_mask [B, S] bool,
+        limit [B, T] int64. Returns o [B, T, H, V]."""
         W_UK, W_UV = self.kv_b_weights()  # [H, nope, R], [H, V, R]
-        B, T, H, _ = q_nope.shape
-        S, R = c_kv.shape[1], c_kv.shape[2]
+        S = c_kv.shape[1]
         dtype = torch.float64 if q_nope.dtype == torch.float64 else torch.float32
         with torch.autocast(q_nope.device.type, enabled=False):
             q_latent = torch.einsum("bthn,hnr->bthr", q_nope.to(dtype), W_UK.to(dtype))  # [B, T, H, R]
-            hidden = ~mask[:, None]  # [B, 1, T, S]
             if c_kv.is_cuda and c_kv.dtype in (torch.bfloat16, torch.float16):
-                lp = c_kv.dtype
-                ql = q_latent.to(lp).transpose(1, 2).reshape(B, H * T, R)  # [B, H·T, R]: one GEMM for all heads (MQA)
-                qr = q_rope.to(lp).transpose(1, 2).reshape(B, H * T, -1)  # [B, H·T, ρ]
-                scores = torch.bmm(ql, c_kv.mT, out_dtype=torch.float32) + torch.bmm(qr, k_rope.to(lp).mT,
-                                                                                     out_dtype=torch.float32)
-                p = (scores.view(B, H, T, S) * self.scale).masked_fill(hidden, float("-inf")).softmax(dim=-1)
-                o_latent = torch.bmm(p.to(lp).view(B, H * T, S), c_kv, out_dtype=torch.float32).view(B, H, T, R)
+                o_latent = latent_attention_lowp(q_latent, q_rope, c_kv, k_rope, self.scale, S - 1, key_mask, limit)
             else:
+                seen = key_mask[:, None, :] & (torch.arange(S, device=c_kv.device) <= limit[:, :, None])  # [B, T, S]
                 q = torch.cat([q_latent, q_rope.to(dtype)], dim=-1).transpose(1, 2)  # [B, H, T, R + ρ]
                 k = torch.cat([c_kv, k_rope], dim=-1)[:, None].to(dtype)  # [B, 1, S, R + ρ]
                 scores = torch.matmul(q, k.transpose(-1, -2)) * self.scale  # [B, H, T, S]
-                p = scores.masked_fill(hidden, float("-inf")).softmax(dim=-1)
+                p = scores.masked_fill(~seen[:, None], float("-inf")).softmax(dim=-1)
                 o_latent = torch.matmul(p, c_kv[:, None].to(dtype))  # [B, H, T, R]
             return torch.einsum("bhtr,hvr->bthv", o_latent, W_UV.to(dtype))  # [B, T, H, V]
 

@@ -366,7 +366,7 @@ class ExpertParallelDispatcher:
         when any rank of the group has a replica. Only the lent experts' rows are gathered, one weight at a
         time (at K3 widths the home experts of one rank are 112 × 3 × 11.0M values: flattening them into one
         tensor made 3.7G elements)."""
-        R, r, El = self.num_ranks, self.rank, self.num_local
+        r, El = self.rank, self.num_local
         own = (experts.w1, experts.w3, experts.w2)                                        # [El, I, L] ×2, [El, L, I]
         pick = np.flatnonzero(rep[r * El:(r + 1) * El].T.reshape(-1)) % El              # [Σ w_send] d-major
         pick = torch.from_numpy(pick).to(own[0].device, non_blocking=True)
