@@ -78,7 +78,9 @@ def param_groups(model: nn.Module) -> dict[str, list[tuple[str, nn.Parameter]]]:
     for name, p in model.named_parameters():  # named_parameters() already drops tied duplicates
         if not p.requires_grad:
             continue
-        if p.ndim < 2 or min(p.shape) == 1:
+        # a matrix with a single row or column is a vector; the leading dim of a 3-D expert stack is a batch
+        # (an expert-parallel slice of one expert, [1, out, in], is still a matrix for Muon)
+        if p.ndim < 2 or min(p.shape[-2:]) == 1:
             groups["adamw_no_decay"].append((name, p))
         elif id(p) not in adamw_only and p.ndim in (2, 3):
             groups["muon"].append((name, p))

@@ -7,6 +7,8 @@ from torch import nn
 
 from k3lab.optim import (MuonAdamW, build_optimizer, cosine_lr, muon_direction, newton_schulz5, param_groups,
                          qk_clip_, set_lr)
+from k3lab.config import ModelConfig
+from k3lab.moe.latent import LatentMoE
 from k3lab.testing import assert_close
 
 FP32 = 1e-5
@@ -231,3 +233,13 @@ def test_qk_clip_on_gated_mla():
     qk_clip_(mla, tau=tau)
     mla(x)
     assert_close("clipped max logit", torch.full_like(before, tau), mla.max_logit, 1e-4)
+
+
+def test_one_expert_slice_is_still_a_muon_matrix():
+    """An expert-parallel slice holding one expert, w1 [1, I, L], is a stack of one matrix: Muon, as in one
+    process (it went to AdamW without decay, so `--ep 8` on tiny's 8 experts trained differently from one GPU)."""
+    moe = LatentMoE(ModelConfig.preset("tiny"))
+    for name in ("w1", "w3", "w2"):
+        setattr(moe.experts, name, torch.nn.Parameter(getattr(moe.experts, name).detach()[:1].clone()))
+    groups = {g: [n for n, _ in ps] for g, ps in param_groups(moe).items()}
+    assert {"experts.w1", "experts.w3", "experts.w2"} <= set(groups["muon"]), groups

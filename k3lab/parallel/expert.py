@@ -346,11 +346,14 @@ class ExpertParallelDispatcher:
         perm = torch.arange(n_recv, device=dev) + bank_shift.repeat_interleave(bank_sizes, output_size=n_recv)
         x_sorted = x_recv.index_select(0, perm)                                           # [Σ recv, L] by bank
         y = experts(x_sorted[:n_home], bank_counts_d[:El])                                # home experts, own weights
-        if len(rep_ids) or sum(w_send):  # the replicas, on weights fetched from their homes (MoonEP only)
+        # The weight all-to-all is a collective of the whole group, so whether it runs is decided from w_rows,
+        # which every rank computed from the same gathered tpe: a rank that neither lends nor borrows this step
+        # still takes part (with empty splits), or the others' all-to-all would meet a different collective.
+        if w_rows.any():  # the replicas, on weights fetched from their homes (MoonEP only)
             rep_weights = self._replicas(experts, rep, w_send, w_recv)
             if len(rep_ids):
                 y = torch.cat([y, experts(x_sorted[n_home:], bank_counts_d[El:], rep_weights)])
-            else:  # a rank that only lends: autograd must still reach its all-to-all (the backward is a collective)
+            else:  # lends only, or neither: autograd must still reach its all-to-all (the backward is a collective)
                 y = y + sum(w.sum() for w in rep_weights) * 0
         y_recv = torch.zeros_like(y).index_copy(0, perm, y)                               # (s, e, p) order
         y_back = all_to_all(y_recv, send, recv, self.group)                               # [S·K, L] send order
