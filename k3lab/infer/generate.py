@@ -40,8 +40,8 @@ from k3lab.infer.prefix import PrefixCache
 from k3lab.infer.sampling import check_sampling, sample_next
 from k3lab.infer.speculative import speculative_decode
 from k3lab.infer.static import DECODERS, check_decoder, decoder_for  # noqa: F401
-from k3lab.infer.step import (DEFAULT_CHUNK_TOKENS, GenerationStats, Prefilled, check_int, model_device,  # noqa: F401
-                              prefill_rows)
+from k3lab.infer.step import (DEFAULT_CHUNK_TOKENS, GenerationStats, Prefilled, check_int,  # noqa: F401
+                              check_prompt_context, model_device, prefill_rows)
 
 Tensor = torch.Tensor
 
@@ -121,15 +121,10 @@ def resolve_eos(eos_token_id, config) -> frozenset:
 def check_context(rows: list[list[int]], max_new_tokens: int, config, allow_longer: bool) -> None:
     """Refuse a prompt, or a prompt plus ``max_new_tokens``, longer than ``config.max_position_embeddings``
     (the trained context) unless ``allow_longer`` (ValueError naming ``prompts[i]`` / ``max_new_tokens``)."""
-    if not isinstance(allow_longer, bool):
-        raise ValueError(f"allow_longer={allow_longer!r}: must be True or False")
+    check_prompt_context(rows, config, allow_longer)
     limit = getattr(config, "max_position_embeddings", None)
     if allow_longer or limit is None:
         return
-    for i, row in enumerate(rows):
-        if len(row) > limit:
-            raise ValueError(f"prompts[{i}]: {len(row)} tokens > max_position_embeddings={limit} (the trained "
-                             f"context); pass allow_longer=True to run past it")
     longest = max(len(row) for row in rows)
     if longest + max_new_tokens > limit:
         raise ValueError(f"max_new_tokens={max_new_tokens}: the longest prompt ({longest} tokens) + max_new_tokens > "
@@ -142,17 +137,20 @@ def check_context(rows: list[list[int]], max_new_tokens: int, config, allow_long
 # ----------------------------------------------------------------------------------------------
 @torch.no_grad()
 def prefill(model, prompts, chunk_size: int = DEFAULT_CHUNK_TOKENS, prefix_cache=None, mtp: bool = False,
-            stats: GenerationStats | None = None, max_prompt_tokens: int | None = None) -> Prefilled:
+            stats: GenerationStats | None = None, max_prompt_tokens: int | None = None,
+            allow_longer: bool = False) -> Prefilled:
     """Prefill a batch of prompts of any lengths (see the module docstring) and stack their caches.
 
     Rows of equal length run together; with ``prefix_cache`` every row runs alone, starting from its
     longest cached block (at most ``len - 1`` tokens: the last token's logits are always computed) and
     leaving a snapshot at every block boundary it computes. ``mtp`` (one prompt only) also builds the
-    MTP head's cache for speculative decoding.
+    MTP head's cache for speculative decoding. A prompt longer than ``config.max_position_embeddings``
+    is refused (ValueError naming ``prompts[i]`` and the limit, as :func:`generate`) unless ``allow_longer``.
     """
     hcache.check_model(model)
     check_int("chunk_size", chunk_size, 1)
     rows, _ = normalize_prompts(prompts, model.config.vocab_size, max_prompt_tokens)
+    check_prompt_context(rows, model.config, allow_longer)
     if mtp and (len(rows) != 1 or prefix_cache is not None):
         raise ValueError("prefill: mtp=True takes one prompt and no prefix_cache")
     if prefix_cache is not None and prefix_cache.model is not model:
@@ -166,7 +164,7 @@ def prefill(model, prompts, chunk_size: int = DEFAULT_CHUNK_TOKENS, prefix_cache
         parts: dict[int, Prefilled] = {}
         if prefix_cache is not None:
             for i, row in enumerate(rows):
-                parts[i], hit = prefix_cache.prefill(row, chunk_size)
+                parts[i], hit = prefix_cache.prefill(row, chunk_size, allow_longer=allow_longer)
                 if stats is not None:
                     stats.cached_tokens += hit
                     stats.computed_tokens += len(row) - hit
@@ -280,15 +278,15 @@ def stream(model, prompts, max_new_tokens: int, temperature: float = 0.0, top_k:
         raise ValueError(f"temperature={temperature!r} with decoder={decoder!r} and draft={draft}: the static/graphed "
                          "speculative step is greedy only (temperature=0); use decoder='eager' to sample with drafts")
     return _stream(model, rows, max_new_tokens, temperature, top_k, top_p, stop, generator, draft, prefix_cache,
-                   chunk_size, stats, decoder)
+                   chunk_size, stats, decoder, allow_longer)
 
 
 def _stream(model, rows, max_new_tokens, temperature, top_k, top_p, stop, generator, draft, prefix_cache,
-            chunk_size, stats, decoder="eager"):
+            chunk_size, stats, decoder="eager", allow_longer=False):
     if max_new_tokens == 0:
         return
     if draft is None and decoder != "eager":
-        pre = prefill(model, rows, chunk_size, prefix_cache=prefix_cache, stats=stats)
+        pre = prefill(model, rows, chunk_size, prefix_cache=prefix_cache, stats=stats, allow_longer=allow_longer)
         seeds = torch.randint(0, 2 ** 31 - 1, (len(rows),), generator=generator,
                               device=generator.device if generator is not None else "cpu")
         new = decoder_for(model, decoder == "graph").decode(pre, max_new_tokens, temperature, top_k, top_p, stop,
@@ -298,18 +296,18 @@ def _stream(model, rows, max_new_tokens, temperature, top_k, top_p, stop, genera
                 yield i, tok
         return
     if draft is None:
-        pre = prefill(model, rows, chunk_size, prefix_cache=prefix_cache, stats=stats)
+        pre = prefill(model, rows, chunk_size, prefix_cache=prefix_cache, stats=stats, allow_longer=allow_longer)
         yield from decode(model, pre, max_new_tokens, temperature, top_k, top_p, stop, generator, stats)
         return
     if decoder != "eager":  # every row prefilled alone with its MTP cache, then decoded as one batch
-        pres = [prefill(model, [row], chunk_size, mtp=True, stats=stats) for row in rows]
+        pres = [prefill(model, [row], chunk_size, mtp=True, stats=stats, allow_longer=allow_longer) for row in rows]
         new = decoder_for(model, decoder == "graph").speculate(pres, draft, max_new_tokens, stop, stats)
         for i, tokens in enumerate(new):
             for tok in tokens:
                 yield i, tok
         return
     for i, row in enumerate(rows):
-        pre = prefill(model, [row], chunk_size, mtp=True, stats=stats)
+        pre = prefill(model, [row], chunk_size, mtp=True, stats=stats, allow_longer=allow_longer)
         for tok in speculative_decode(model, pre, draft, max_new_tokens, temperature, top_k, top_p, stop,
                                       generator, stats):
             yield i, tok

@@ -38,7 +38,7 @@ import torch
 
 from k3lab.backend import synchronize
 from k3lab.infer import cache as hcache
-from k3lab.infer.step import DEFAULT_CHUNK_TOKENS, Prefilled, model_device, prefill_rows
+from k3lab.infer.step import DEFAULT_CHUNK_TOKENS, Prefilled, check_prompt_context, model_device, prefill_rows
 from k3lab.mixers.kda import KDACache
 from k3lab.mixers.mla import MLACache
 from k3lab.model import K3Cache
@@ -230,9 +230,13 @@ class PrefixCache:
         return e.id if e.id in self._entries else None
 
     @torch.no_grad()
-    def prefill(self, tokens: list[int], chunk_size: int = DEFAULT_CHUNK_TOKENS) -> tuple[Prefilled, int]:
+    def prefill(self, tokens: list[int], chunk_size: int = DEFAULT_CHUNK_TOKENS,
+                allow_longer: bool = False) -> tuple[Prefilled, int]:
         """Prefill one prompt through the cache: resume from the longest hit, snapshot every block
-        boundary computed. Returns (the one-row :class:`Prefilled`, tokens served from the cache)."""
+        boundary computed. Returns (the one-row :class:`Prefilled`, tokens served from the cache).
+        A prompt longer than ``config.max_position_embeddings`` is refused (ValueError naming it) unless
+        ``allow_longer``, before any lookup."""
+        check_prompt_context([tokens], self.model.config, allow_longer, names=["prompt"])
         N, model = self.block_tokens, self.model
         cache, hit = self.lookup(tokens, max_tokens=len(tokens) - 1)
         parent = None

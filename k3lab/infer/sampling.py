@@ -16,11 +16,18 @@ probabilities (the distribution concentrates on the argmax) where ``z / τ`` wou
 and softmax give NaN. ``τ`` must itself be a float32 normal number: ``0 < τ < 1.2e-38``
 (``torch.finfo(torch.float32).tiny``) is refused, naming ``temperature``.
 
-**Seeded draws on the device** (:func:`sample_seeded`, used by the static/graphed decoder): the
-Gumbel-max trick ``argmax_i (log p_i + G_i)``, ``G_i = −log(−log u_i)``, draws exactly from ``p``. The
-uniforms come from a counter-based hash of (row seed, step, token id) rather than a stateful generator,
-so a row's draws depend on its own seed and step only: the same on CPU and CUDA, inside a CUDA graph
-and out of it, alone or in any batch.
+**Seeded draws on the device** (:func:`sample_seeded`, used by the static/graphed decoder): one uniform
+``u`` per row, 52 random bits in float64 (never 0, never 1), from a counter-based hash of (row seed, step)
+rather than a stateful generator, so a row's draws depend on its own seed and step only: the same inside
+a CUDA graph and out of it, alone or in any batch (and on CPU and CUDA up to the rounding of a sum).
+The token is the inverse CDF at ``u``: the first ``i`` with ``c_i > u · c_V``, ``c = cumsum(p)`` in float64
+over the distribution of :func:`next_token_probs` (the eager sampler's, exactly). A token outside top-k /
+top-p has ``p_i = 0``, so ``c_i = c_{i-1}`` and it is never the first to exceed anything: no draw can land
+on it, whatever ``u`` (the threshold is kept below ``c_V``). ``top_k=1`` is the argmax, as greedy.
+
+(Before: Gumbel-max on ``log p`` with 24-bit float32 uniforms. ``(2^24 − 0.5) / 2^24`` rounds to 1.0 in
+float32, the noise ``−log(−log 1) = +inf`` and ``−inf + inf = NaN``, which argmax takes: about
+``n·(V − k) / 2^24`` of ``n`` draws fell outside top-k — 1% at K3's vocabulary.)
 """
 
 from __future__ import annotations
@@ -85,6 +92,8 @@ def sample_next(logits: Tensor, temperature: float = 0.0, top_k: int | None = No
 
 MASK32 = 0xFFFFFFFF
 HASH_MULTIPLIERS = (0x7FEB352D, 0x5BD1E995)  # odd, < 2^31: a product with a 32-bit value fits int64 exactly
+LANE_KEYS = (0x243F6A88, 0x85A308D3)  # pi's digits: two hash lanes of 32 bits, 52 of them kept
+UNIFORM_BITS = 52  # float64 holds (bits + 0.5) / 2^52 exactly: (0, 1) with both ends excluded
 
 
 def mix32(x: Tensor) -> Tensor:
@@ -95,21 +104,49 @@ def mix32(x: Tensor) -> Tensor:
     return x ^ (x >> 16)
 
 
+def counter_bits(seeds: Tensor, step: Tensor, ids: Tensor | None = None) -> Tensor:
+    """``UNIFORM_BITS`` hashed bits (int64) of (seed, step[, id]), shaped like the broadcast of the int64 tensors
+    ``seeds``, ``step`` (and ``ids``). Two lanes ``j`` of ``mix32(mix32(mix32(s ^ key_j) ^ step) ^ id)``, ``s`` the
+    seed folded to 32 bits: for one seed and step they differ (other keys), so the 52 bits come from 64 hashed
+    ones, not from one 32-bit hash stretched. A handful of kernels on [B] (or [B, V]) tensors: cheap in a graph.
+    Every product stays below 2^63 (no int64 wrap)."""
+    seeds = seeds.long()
+    k0, k1 = LANE_KEYS  # [2] made on the device by a kernel: no host-to-device copy inside a graph capture
+    keys = torch.arange(2, dtype=torch.long, device=seeds.device) * (k1 - k0) + k0
+    x = mix32((seeds ^ (seeds >> 32))[..., None] ^ keys)  # [..., 2]
+    x = mix32(x ^ (step.long() & MASK32)[..., None])
+    if ids is not None:
+        x = mix32(x ^ ids.long()[..., None])
+    return (x[..., 0] << (UNIFORM_BITS - 32)) | (x[..., 1] >> (64 - UNIFORM_BITS))  # [...] in [0, 2^52)
+
+
+def bits_to_uniform(bits: Tensor) -> Tensor:
+    """52-bit integers -> float64 in (0, 1): ``(bits + 0.5) / 2^52``, exact; the smallest 2^-53, the largest
+    1 − 2^-53."""
+    return (bits.double() + 0.5) * (0.5 ** UNIFORM_BITS)
+
+
 def counter_uniform(seeds: Tensor, step: Tensor, vocab: int) -> Tensor:
-    """Uniforms in (0, 1) [B, V] float32 from ``hash(hash(hash(seed_b) ^ step) ^ i)``; seeds [B] int64,
-    step: an int64 tensor broadcasting to [B] (the row's token index). 24 random bits each."""
-    row = mix32(mix32(seeds.long()) ^ (step.long() & MASK32))  # [B]
+    """Uniforms in (0, 1) [B, V] float64 from :func:`counter_bits` of (seed_b, step, i); seeds [B] int64,
+    step: an int64 tensor broadcasting to [B] (the row's token index). 52 random bits each."""
+    seeds, step = torch.broadcast_tensors(seeds.long().reshape(-1), step.long().reshape(-1))
     ids = torch.arange(vocab, device=seeds.device, dtype=torch.long)  # [V]
-    bits = mix32(row[:, None] ^ ids[None, :]) >> 8  # [B, V] in [0, 2^24)
-    return (bits.float() + 0.5) * (1.0 / (1 << 24))
+    return bits_to_uniform(counter_bits(seeds[:, None], step[:, None], ids[None, :]))
 
 
 def sample_seeded(logits: Tensor, temperature: float, top_k: int | None, top_p: float | None, seeds: Tensor,
                   step: Tensor) -> Tensor:
-    """logits [B, V] -> next token ids [B]: greedy at temperature 0, else the Gumbel-max draw from
-    :func:`next_token_probs` with :func:`counter_uniform` noise (module docstring). No host sync."""
-    if temperature == 0:
-        return logits.argmax(dim=-1)
-    probs = next_token_probs(logits, temperature, top_k, top_p)  # [B, V]
-    gumbel = -torch.log(-torch.log(counter_uniform(seeds, step, probs.shape[-1])))
-    return (probs.log() + gumbel).argmax(dim=-1)
+    """logits [B, V] -> next token ids [B]: greedy at temperature 0 or ``top_k=1``, else the inverse-CDF draw
+    from :func:`next_token_probs` at one 52-bit uniform per row (module docstring). No host sync; the shapes do
+    not depend on the values (CUDA graphs). ``seeds`` [B] int64 and ``step`` (broadcasting to [B]): the row's
+    seed and token index. ``logits`` [1, V] with N seeds or steps: N draws from that one distribution."""
+    n = torch.broadcast_shapes(seeds.reshape(-1).shape, step.reshape(-1).shape, logits.shape[:1])[0]
+    if temperature == 0 or top_k == 1:
+        tok = logits.argmax(dim=-1)  # top_k=1: the largest logit, as greedy (ties: the first, as argmax)
+        return tok if tok.shape[0] == n else tok.expand(n)
+    probs = next_token_probs(logits, temperature, top_k, top_p)  # [B, V] float32, exactly 0 outside top-k/top-p
+    cdf = probs.double().cumsum(dim=-1)  # [B, V] non-decreasing, flat across every excluded token
+    total = cdf[:, -1:]  # [B, 1] > 0 (the largest logit's token is always kept)
+    u = bits_to_uniform(counter_bits(*torch.broadcast_tensors(seeds.reshape(-1), step.reshape(-1))))  # [n]
+    target = torch.minimum(u.reshape(cdf.shape[0], -1) * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True).reshape(-1)  # the first c_i > target: p_i > 0, i < V

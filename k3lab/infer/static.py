@@ -18,7 +18,7 @@ What a replay needs, and how this module provides it:
     all of them under the mask (unwritten slots and the padding of shorter prompts weigh exactly 0).
 
 * **Nothing read back to the host inside the step.** The next token is chosen on the device
-  (:func:`k3lab.infer.sampling.sample_seeded`: argmax, or a seeded Gumbel-max draw for temperature /
+  (:func:`k3lab.infer.sampling.sample_seeded`: argmax, or a seeded inverse-CDF draw for temperature /
   top-k / top-p), written into an output buffer at the step counter, and fed back as the next input. A
   row that produced a stop token is marked done on the device and from then on records the pad token.
   The host replays ``n − 1`` steps and reads ``done`` only every :data:`CHECK_EVERY` steps to end early.
@@ -27,7 +27,13 @@ What a replay needs, and how this module provides it:
 
 * **One batch size per graph.** A batch of ``B`` rows runs in the bucket ``B' ≥ B`` of
   :data:`BATCH_BUCKETS`; the extra rows copy row 0's cache and start done. Graphs are kept per
-  (bucket, slots, sampling) and reused by later calls with the same shape (their buffers are refilled).
+  (bucket, slots, sampling, the caches' device and dtypes) and reused by later calls with the same shape
+  (their buffers are refilled). All of them are dropped when the model's weights are no longer the tensors
+  they were captured on (``model.float()``, ``model.to(...)``: a graph reads its weights by address).
+
+* **Any grad mode.** The decoder works in normal (not inference) mode under ``torch.no_grad()`` whatever the
+  caller's, so buffers made under ``torch.inference_mode()`` are never inference tensors that a later normal
+  call cannot write. (``inference_mode(False)`` alone turns grad mode on: the ``no_grad`` after it matters.)
 
 **Speculative decoding** (:meth:`StaticDecoder.speculate`, ``generate(..., decoder="static"|"graph", draft=k)``;
 greedy only) is one captured step too (:meth:`StaticDecoder.spec_step`): the MTP head drafts ``d_1 … d_k`` on
@@ -55,6 +61,7 @@ draws, which come from a stateful generator).
 
 from __future__ import annotations
 
+import itertools
 import time
 import weakref
 from dataclasses import dataclass
@@ -305,6 +312,18 @@ def decoder_for(model, graph: bool) -> "StaticDecoder":
     return per_model[graph]
 
 
+def cache_dtypes(*entries) -> tuple:
+    """The dtypes of every tensor of the cache entries (KDA / MLA caches, or tensors): part of a buffer key, so
+    buffers made for bf16 caches are not refilled with fp32 ones."""
+    out = []
+    for e in entries:
+        if isinstance(e, Tensor):
+            out.append(e.dtype)
+        elif e is not None:
+            out.append(tuple(t.dtype for t in vars(e).values() if isinstance(t, Tensor)))
+    return tuple(out)
+
+
 def cut_at_stop(rows: list[list[int]], stop) -> list[list[int]]:
     """Each row up to and including its first ``stop`` token (the rest recorded pad after it)."""
     stops = set(stop)
@@ -315,8 +334,10 @@ class StaticDecoder:
     """Batched decoding on preallocated caches for one model; ``graph=True`` replays each step as a CUDA graph.
 
     ``decode(pre, max_new_tokens, ...)`` -> per row the list of new tokens (stop token kept, nothing after).
-    Graphs and buffers are kept per (batch bucket, slots, new-token width, sampling, stop set) and reused; at most
-    :data:`MAX_KEPT` of them (least recently used dropped). A capture that fails raises RuntimeError naming
+    Graphs and buffers are kept per (batch bucket, slots, new-token width, sampling, stop set, device, cache dtypes)
+    and reused; at most :data:`MAX_KEPT` of them (least recently used dropped); all dropped when the model's
+    weights change tensors (:meth:`check_weights`). The decoder runs in normal mode under ``torch.no_grad`` whatever
+    the caller's mode (``torch.inference_mode()`` included). A capture that fails raises RuntimeError naming
     ``decoder='static'`` as the way round.
     """
 
@@ -325,6 +346,7 @@ class StaticDecoder:
         self.model, self.graph = model, graph
         self.logits = self.step_logits if not compile else torch.compile(self.step_logits, dynamic=False)
         self.kept: dict[tuple, tuple[Buffers, torch.cuda.CUDAGraph | None]] = {}
+        self.weights: tuple | None = None  # (address, dtype, device, shape) of every weight the kept graphs read
         self.captures = 0  # graphs captured so far
         self.capture_s = 0.0  # seconds spent in warmup + capture
 
@@ -370,6 +392,16 @@ class StaticDecoder:
         self.captures += 1
         return graph
 
+    def check_weights(self) -> None:
+        """Drop every kept buffer set and graph when the model's parameters or buffers are not the tensors they were
+        made with (``model.float()``, ``model.to(device)``, a replaced parameter): a captured graph reads them by
+        address. In-place updates (``load_state_dict``, an optimizer step) keep the addresses and the graphs."""
+        weights = tuple((t.data_ptr(), t.dtype, t.device, tuple(t.shape))
+                        for t in itertools.chain(self.model.parameters(), self.model.buffers()))
+        if weights != self.weights:
+            self.kept.clear()
+            self.weights = weights
+
     def buffers(self, key: tuple, make):
         """The kept (buffers, graph) under ``key`` (``make()`` builds the buffers when new), now most recently used."""
         if key not in self.kept:
@@ -385,8 +417,13 @@ class StaticDecoder:
                stats: GenerationStats | None = None) -> list[list[int]]:
         """Up to ``max_new_tokens`` tokens per prefilled row (the first from ``pre.logits``); a row ends after a
         ``stop`` token. ``seeds`` [B] int64: each row's sampling seed (None: the row index)."""
+        with torch.inference_mode(False), torch.no_grad():  # normal tensors, writable by a later call in any mode
+            return self._decode(pre, max_new_tokens, temperature, top_k, top_p, stop, seeds, stats)
+
+    def _decode(self, pre, max_new_tokens, temperature, top_k, top_p, stop, seeds, stats):
         model, device = self.model, pre.logits.device
         B = pre.logits.shape[0]
+        max_new_tokens = check_int("max_new_tokens", max_new_tokens, 0)
         if max_new_tokens < 1:
             return [[] for _ in range(B)]
         seeds = torch.arange(B) if seeds is None else torch.as_tensor(seeds, dtype=torch.long).reshape(-1)
@@ -396,7 +433,9 @@ class StaticDecoder:
         pad = 0 if pad is None else int(pad)
         stop_ids = torch.tensor(sorted(stop), dtype=torch.long)
         rows, slots = batch_bucket(B), slots_for(pre.cache.offset + max_new_tokens)
-        key = (rows, slots, max_new_tokens, temperature, top_k, top_p, tuple(stop_ids.tolist()))
+        key = (rows, slots, max_new_tokens, temperature, top_k, top_p, tuple(stop_ids.tolist()), device,
+               cache_dtypes(*pre.cache.layers, pre.logits))
+        self.check_weights()
         was_training = model.training
         model.eval()
         try:
@@ -510,10 +549,17 @@ class StaticDecoder:
         decoding (:meth:`spec_step`). ``pres``: rows prefilled alone with ``mtp=True`` (a list; or one
         :class:`Prefilled` of them stacked by :func:`stack_speculative`). Rows of a batch accept different numbers
         of drafts: the lengths are per row. ``stats``: drafted / accepted per row as the eager path counts them,
-        ``forwards`` the verify forwards of the longest row."""
+        ``forwards`` the verify forwards of the longest row. ``k`` is clamped to ``max(1, max_new_tokens − 1)``
+        before anything is allocated: no step can use more drafts (the eager path drafts
+        ``min(k, N − emitted − 1)``), so the tokens and counts are those of ``k`` itself."""
+        with torch.inference_mode(False), torch.no_grad():  # normal tensors, writable by a later call in any mode
+            return self._speculate(pres, k, max_new_tokens, stop, stats)
+
+    def _speculate(self, pres, k, max_new_tokens, stop, stats):
         model = self.model
-        check_int("k", k, 1)
-        check_int("max_new_tokens", max_new_tokens, 0)
+        k = check_int("k", k, 1)
+        max_new_tokens = check_int("max_new_tokens", max_new_tokens, 0)
+        k = max(1, min(k, max_new_tokens - 1))  # the most drafts a step can use (the first token is not drafted)
         if model.mtp is None:
             raise ValueError("model: has no MTP head (config.num_nextn_predict_layers=0); speculative decoding needs 1")
         pre = stack_speculative(model, pres) if isinstance(pres, list) else pres
@@ -524,7 +570,9 @@ class StaticDecoder:
             return [[] for _ in range(B)]
         stop_ids = torch.tensor(sorted(stop), dtype=torch.long)
         rows, slots = batch_bucket(B), slots_for(max(pre.lengths) + max_new_tokens + k)
-        key = ("spec", rows, slots, max_new_tokens, k, tuple(stop_ids.tolist()))
+        key = ("spec", rows, slots, max_new_tokens, k, tuple(stop_ids.tolist()), device,
+               cache_dtypes(*pre.cache.layers, pre.mtp_cache, pre.residual))
+        self.check_weights()
         check = max(1, CHECK_EVERY // (k + 1))  # steps between the host's reads of the done flags
         was_training = model.training
         model.eval()

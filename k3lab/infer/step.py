@@ -95,6 +95,22 @@ def check_int(name: str, value, low: int) -> int:
     return int(value)
 
 
+def check_prompt_context(rows: list[list[int]], config, allow_longer: bool, names=None) -> None:
+    """Refuse a prompt longer than ``config.max_position_embeddings`` (the trained context) unless ``allow_longer``:
+    ValueError ``"{name}: {n} tokens > max_position_embeddings={limit} ..."``, ``name`` = ``names[i]`` (default
+    ``prompts[i]``), before anything is computed or allocated."""
+    if not isinstance(allow_longer, bool):
+        raise ValueError(f"allow_longer={allow_longer!r}: must be True or False")
+    limit = getattr(config, "max_position_embeddings", None)
+    if allow_longer or limit is None:
+        return
+    for i, row in enumerate(rows):
+        if len(row) > limit:
+            name = f"prompts[{i}]" if names is None else names[i]
+            raise ValueError(f"{name}: {len(row)} tokens > max_position_embeddings={limit} (the trained "
+                             f"context); pass allow_longer=True to run past it")
+
+
 def mtp_step(mtp, next_embeddings: Tensor, residual: Tensor, cache=None):
     """:meth:`k3lab.model.MTPHead.forward` with its MLA layer's cache, for drafting::
 
