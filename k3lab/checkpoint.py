@@ -30,16 +30,34 @@ rng.safetensors) reads must resolve, symlinks followed, inside the checkpoint fo
 optimizer.safetensors must hold exactly the tensors state.json lists; and the saved model config must
 equal the model's (:func:`check_model_config`: equal shapes would otherwise load another model's
 weights silently). Each is a ValueError naming the file and the field.
+
+Checksums: every checkpoint folder (this format's and :mod:`k3lab.parallel.checkpoint`'s) holds
+``checksums.json`` (:data:`CHECKSUMS`), written after every other file of the save is complete and
+before the folder is renamed into place: each file's size and sha256. A load verifies it first
+(:func:`verify_checksums`) and refuses a missing, truncated or changed file with
+:class:`CheckpointCorrupt` (a ValueError) naming the file, in one line; a folder without the manifest
+(written before it existed) is loaded unverified. (In this format state.json's format and fields and
+the safetensors headers are checked first, as they were before the checksums existed: a file that is not
+safetensors at all is refused by the safetensors reader, now naming the file.)
+
+Run-folder lock: :class:`RunDirLock` takes an exclusive ``flock`` on ``run_dir/.lock`` and writes its
+holder (host, pid, start time, command) into it. A second run given the same folder is refused with
+:class:`RunDirBusy` naming the holder; the kernel drops the lock when its holder dies, so a run that
+crashed leaves only the holder's record, which the next run takes over (and says so).
 """
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import os
 import random
 import shutil
+import socket
+import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -50,6 +68,9 @@ from torch import nn
 CHECKPOINT_FORMAT = "k3lab-checkpoint-v1"
 LATEST = "latest"  # the pointer file's name inside a run folder
 CHECKPOINT_FILES = ("model.safetensors", "optimizer.safetensors", "rng.safetensors", "state.json")
+CHECKSUMS = "checksums.json"  # every other file's size and sha256, written last by the save
+CHECKSUMS_FORMAT = "k3lab-checksums-v1"
+LOCK = ".lock"  # the run folder's lock file (RunDirLock)
 # ModelConfig fields a checkpoint loads under with another value: they change neither the math nor
 # the tensor layout of the loaded model (check_model_config skips them)
 MODEL_CONFIG_FIELDS_IGNORED = (
@@ -57,9 +78,175 @@ MODEL_CONFIG_FIELDS_IGNORED = (
     "initializer_range",  # only draws the initial weights, which the load overwrites
 )
 
-__all__ = ["CHECKPOINT_FORMAT", "CHECKPOINT_FILES", "MODEL_CONFIG_FIELDS_IGNORED", "save_checkpoint",
-           "load_checkpoint", "resolve_checkpoint", "read_latest", "write_latest", "file_inside", "read_state",
-           "check_state_fields", "check_model_config"]
+__all__ = ["CHECKPOINT_FORMAT", "CHECKPOINT_FILES", "CHECKSUMS", "LOCK", "MODEL_CONFIG_FIELDS_IGNORED",
+           "save_checkpoint", "load_checkpoint", "resolve_checkpoint", "read_latest", "write_latest", "file_inside", "read_state",
+           "check_state_fields", "check_model_config", "CheckpointCorrupt", "file_checksums", "write_checksums",
+           "checksum_problems", "verify_checksums", "RunDirLock", "RunDirBusy"]
+
+
+# ----------------------------------------------------------------------------------------------
+# checksums (shared with k3lab.parallel.checkpoint)
+# ----------------------------------------------------------------------------------------------
+class CheckpointCorrupt(ValueError):
+    """A checkpoint file is missing, truncated or changed since its save (its checksums.json says so)."""
+
+
+def _sha256(file: Path) -> str:
+    with open(file, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def checksum_files(folder: str | os.PathLike) -> list[str]:
+    """The files a checksum manifest covers: every regular file directly in ``folder`` but the manifest, sorted."""
+    return sorted(p.name for p in Path(folder).iterdir() if p.is_file() and p.name != CHECKSUMS)
+
+
+def file_checksums(folder: str | os.PathLike, names) -> dict:
+    """``{name: {"size": bytes, "sha256": hex}}`` of the files ``names`` in ``folder``."""
+    folder = Path(folder)
+    return {name: {"size": (folder / name).stat().st_size, "sha256": _sha256(folder / name)} for name in names}
+
+
+def write_checksums(folder: str | os.PathLike, entries: dict) -> None:
+    """Write ``folder/checksums.json`` (``entries`` from :func:`file_checksums`), flushed and fsynced."""
+    data = {"format": CHECKSUMS_FORMAT, "algorithm": "sha256", "files": dict(sorted(entries.items()))}
+    with open(Path(folder) / CHECKSUMS, "w") as f:
+        json.dump(data, f, indent=0)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _read_checksums(folder: Path) -> dict | None:
+    """The manifest's ``files`` entry (None: no manifest); CheckpointCorrupt when it is unreadable."""
+    file = folder / CHECKSUMS
+    if not file.exists():
+        return None
+    try:
+        data = json.loads(file.read_text())
+        files = data["files"]
+        if data.get("format") != CHECKSUMS_FORMAT or not isinstance(files, dict) or not all(
+                isinstance(e, dict) and isinstance(e.get("size"), int) and isinstance(e.get("sha256"), str)
+                for e in files.values()):
+            raise ValueError("unexpected layout")
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as err:
+        raise CheckpointCorrupt(f"{file}: not a readable checksum manifest ({type(err).__name__}: {err}); "
+                                "the checkpoint cannot be verified; refused") from None
+    return files
+
+
+def checksum_problems(folder: str | os.PathLike, share: tuple[int, int] = (0, 1)) -> list[str] | None:
+    """What is wrong with the files of ``folder`` that its checksums.json lists (None: no manifest; [] all good),
+    one line each: missing, another size (truncated), another sha256 (changed). ``share = (i, n)`` checks only
+    every n-th listed file from the i-th (the ranks of a load split the reading); sizes are checked for all."""
+    folder = Path(folder)
+    files = _read_checksums(folder)
+    if files is None:
+        return None
+    problems, names = [], sorted(files)
+    mine = set(names[share[0]::share[1]])
+    for name in names:
+        file = file_inside(folder, name, source=folder / CHECKSUMS)
+        want = files[name]
+        if not file.is_file():
+            problems.append(f"{file}: missing ({CHECKSUMS} lists it, {want['size']} bytes): the checkpoint is "
+                            "incomplete; refused")
+        elif file.stat().st_size != want["size"]:
+            problems.append(f"{file}: {file.stat().st_size} bytes, the save wrote {want['size']} ({CHECKSUMS}): "
+                            "truncated or overwritten; refused")
+        elif name in mine and _sha256(file) != want["sha256"]:
+            problems.append(f"{file}: sha256 differs from the one the save wrote ({CHECKSUMS}): the file is "
+                            "corrupt; refused")
+    return problems
+
+
+def verify_checksums(folder: str | os.PathLike) -> bool:
+    """Check every file ``folder/checksums.json`` lists; raise :class:`CheckpointCorrupt` naming the first bad
+    one (and how many more). Returns False when the folder has no manifest (nothing verified), else True."""
+    problems = checksum_problems(folder)
+    if problems:
+        raise CheckpointCorrupt(problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
+    return problems is not None
+
+
+# ----------------------------------------------------------------------------------------------
+# the run folder's lock
+# ----------------------------------------------------------------------------------------------
+class RunDirBusy(ValueError):
+    """Another live run holds the run folder's lock."""
+
+
+def _describe_holder(text: str) -> str:
+    try:
+        who = json.loads(text)
+        return (f"pid {who['pid']} on host {who['host']}, started {who['started']}"
+                + (f" ({who['command']})" if who.get("command") else ""))
+    except (ValueError, KeyError, TypeError):
+        return "a run that has not written its details yet" if not text.strip() else f"{text.strip()[:200]!r}"
+
+
+class RunDirLock:
+    """An exclusive lock on a run folder (``run_dir/.lock``, ``fcntl.flock``), held until :meth:`release` or the
+    process ends (the kernel drops it then, even after SIGKILL). The file holds the holder's host, pid, start
+    time and command; it is emptied on release, so a record found by the next holder is a run that ended
+    without releasing (a crash): :meth:`acquire` returns a note saying so. Locks are advisory: every k3lab run
+    that writes into a run folder takes it (``python -m k3lab.parallel.run --out-dir``, rank 0)."""
+
+    def __init__(self, run_dir: str | os.PathLike):
+        self.run_dir = Path(run_dir)
+        self.file = self.run_dir / LOCK
+        self._fd: int | None = None
+
+    def acquire(self) -> str | None:
+        """Take the lock or raise :class:`RunDirBusy` naming the holder (NotADirectoryError when ``run_dir`` is
+        a file). Returns None, or a one-line note when the lock is taken over from a run that ended without
+        releasing it."""
+        import fcntl
+
+        if self.run_dir.exists() and not self.run_dir.is_dir():
+            raise NotADirectoryError(f"{self.run_dir} exists and is not a folder")
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.file, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 65536, 0).decode(errors="replace")
+            os.close(fd)
+            raise RunDirBusy(f"{self.run_dir} is in use by another run: {_describe_holder(holder)}; wait for it to "
+                             f"end or give another folder (the lock: {self.file})") from None
+        except BaseException:
+            os.close(fd)
+            raise
+        previous = os.pread(fd, 65536, 0).decode(errors="replace")
+        me = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+              "command": " ".join(getattr(sys, "orig_argv", sys.argv))[:300]}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(me).encode(), 0)
+        os.fsync(fd)
+        self._fd = fd
+        if previous.strip():
+            return (f"{self.run_dir}: took over the lock of {_describe_holder(previous)}, which ended without "
+                    "releasing it (a crash?)")
+        return None
+
+    def release(self) -> None:
+        """Empty the record and drop the lock (idempotent)."""
+        import fcntl
+
+        if self._fd is None:
+            return
+        fd, self._fd = self._fd, None
+        try:
+            os.ftruncate(fd, 0)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
+
+    def __enter__(self) -> RunDirLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -307,6 +494,7 @@ def save_checkpoint(out_dir: str | os.PathLike, model: nn.Module, optimizer: tor
     state = dict(meta, format=CHECKPOINT_FORMAT, optimizer=opt_plain, rng=rng_plain,
                  model_config=plain_config(getattr(model, "config", None)))
     (tmp / "state.json").write_text(json.dumps(state))
+    write_checksums(tmp, file_checksums(tmp, checksum_files(tmp)))  # last: every file is complete
     if final.exists():  # the same step saved again (a resumed run that stops where it started)
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -321,6 +509,20 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
     return _resolve(path, "state.json")
 
 
+def _check_safetensors_headers(path: Path) -> None:
+    """A file that is not safetensors at all (a pickle in its place) is refused by the safetensors reader,
+    as it always was, now naming the file; a missing one is left to the checksums (or to the load)."""
+    from safetensors import SafetensorError, safe_open
+
+    for name in CHECKPOINT_FILES:
+        if name.endswith(".safetensors") and (path / name).is_file():
+            try:
+                with safe_open(str(path / name), framework="pt"):
+                    pass
+            except SafetensorError as err:
+                raise SafetensorError(f"{path / name}: {err}") from None
+
+
 def load_checkpoint(path: str | os.PathLike, model: nn.Module,
                     optimizer: torch.optim.Optimizer | None = None) -> dict:
     """Load weights (and optimizer state) from a checkpoint into ``model`` in place; return its
@@ -330,6 +532,8 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module,
     for name in CHECKPOINT_FILES:
         file_inside(path, name)
     state = read_state(path / "state.json", CHECKPOINT_FORMAT)
+    _check_safetensors_headers(path)
+    verify_checksums(path)
     check_model_config(state.get("model_config"), model, path / "state.json")
     if optimizer is not None:
         tensors = load_file(str(path / "optimizer.safetensors"))

@@ -15,7 +15,10 @@ in the class's source. Defaults are the dataclass's, unless the caller overrides
 ``kernels/profile_train_step.py``.
 
 Errors read as argparse's own: :func:`flag_errors` turns a ValueError from a dataclass's validation
-(``"TrainConfig.lr=inf: must be ..."``) into ``error: --lr: must be ...`` and exit status 2.
+(``"TrainConfig.lr=inf: must be ..."``, ``"fit: stop_at=2: ..."``, ``"parallel dims: cp=3: ..."``) into
+``error: --lr: must be ...`` and exit status 2 (a field with no flag of that name keeps its message, or
+takes the flag ``aliases`` gives it); in a ``parallel dims`` reason the other fields it names
+(``batch_size=8``) are written as their flags too (``--batch-size=8``).
 """
 from __future__ import annotations
 
@@ -172,16 +175,30 @@ def flags_for(obj, skip=()) -> list[str]:
     return argv
 
 
-_FIELD_ERROR = re.compile(r"^(?:\w+\.|parallel dims: )(\w+)=(?:[^:]*?): (.*)$", re.S)
+_FIELD_ERROR = re.compile(r"^(\w+\.|parallel dims: |fit: )(\w+)=(?:[^:]*?): (.*)$", re.S)
+_NAMED_FIELD = re.compile(r"(?<![\w.\-])([a-z]\w*)=")
+
+
+def _flag_of(parser: argparse.ArgumentParser, field: str, aliases: dict) -> str | None:
+    flag = aliases.get(field, flag_name(field))
+    return flag if flag in parser._option_string_actions else None
 
 
 @contextlib.contextmanager
-def flag_errors(parser: argparse.ArgumentParser):
+def flag_errors(parser: argparse.ArgumentParser, aliases: dict | None = None):
     """Inside: a ValueError exits as argparse does (``usage`` + ``error: --flag: reason``, status 2), the field a
-    dataclass names turned into its flag; any other ValueError's one-line message follows ``error:``."""
+    dataclass names turned into its flag (``aliases``: ``{field: flag}`` where the flag is named otherwise, e.g.
+    ``{"resume_from": "--resume"}``); any other ValueError's one-line message follows ``error:``."""
+    aliases = aliases or {}
     try:
         yield
     except ValueError as err:
         message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         m = _FIELD_ERROR.match(message)
-        parser.error(f"{flag_name(m.group(1))}: {m.group(2)}" if m else message)
+        flag = _flag_of(parser, m.group(2), aliases) if m else None
+        if flag is None:
+            parser.error(message)
+        reason = m.group(3)
+        if m.group(1) == "parallel dims: ":  # "must divide batch_size=8": the other fields as flags too
+            reason = _NAMED_FIELD.sub(lambda f: f"{_flag_of(parser, f.group(1), aliases) or f.group(1)}=", reason)
+        parser.error(f"{flag}: {reason}")

@@ -65,6 +65,7 @@ from k3lab.optim import build_optimizer, set_lr
 from k3lab.precision import MASTER_FORMATS, MOMENT_DTYPES, PARAM_DTYPES, MasterWeightOptimizer, cast_params_
 
 OPTIMIZERS = ("adamw", "muon")
+MAX_LR = 10.0  # the largest peak lr TrainConfig takes: above it an update overflows fp32 (1e300) or diverges at once
 # (dtype, param_dtype) pairs fit runs: bf16 parameters need bf16 autocast (fp32 inputs would meet bf16 weights)
 PRECISIONS = (("float32", "float32"), ("bfloat16", "float32"), ("bfloat16", "bfloat16"))
 @dataclass
@@ -127,7 +128,7 @@ class TrainConfig:
             need(type(getattr(self, name)) is int and getattr(self, name) >= 1, name, "must be an int >= 1")
         for name in ("eval_every", "checkpoint_every", "seed"):
             need(type(getattr(self, name)) is int and getattr(self, name) >= 0, name, "must be an int >= 0")
-        need(number(self.lr) and self.lr > 0, "lr", "must be a finite number > 0")
+        need(number(self.lr) and 0 < self.lr <= MAX_LR, "lr", f"must be a finite number > 0 and <= {MAX_LR:g}")
         need(number(self.min_lr_ratio) and 0.0 <= self.min_lr_ratio <= 1.0, "min_lr_ratio", "must be in [0, 1]")
         need(self.warmup_steps is None or (type(self.warmup_steps) is int and 0 <= self.warmup_steps <= self.steps),
              "warmup_steps", f"must be None or an int in [0, steps={self.steps}]")
@@ -436,7 +437,23 @@ def _saved_state(resume_from) -> tuple[Path, bool, dict]:
     dcp = (path / ".metadata").exists()
     meta = state.get("extra", {}) if dcp else state
     saved = {**plain_config(TrainConfig()), **(meta.get("train_config") or {})}
-    return path, dcp, {**saved, "batch_shape": meta.get("batch_shape"), "data": meta.get("data")}
+    return path, dcp, {**saved, "batch_shape": meta.get("batch_shape"), "data": meta.get("data"),
+                       "step": state.get("step")}
+
+
+def check_resume_steps(saved_step, steps: int, stop_at: int | None = None, path=None) -> None:
+    """Refuse a resume that would train no step: a checkpoint at step ``saved_step`` and a run of ``steps`` steps
+    (``stop_at``: ending there) that ends at or before it (ValueError naming the field). A malformed step is left
+    to the load's own check."""
+    if type(saved_step) is not int:
+        return
+    where = f"the checkpoint is at step {saved_step}{f' ({path})' if path is not None else ''}"
+    if saved_step >= steps:
+        raise ValueError(f"TrainConfig.steps={steps}: {where}, so this run would train no step (a longer run "
+                         "trains further)")
+    if stop_at is not None and saved_step >= stop_at:
+        raise ValueError(f"fit: stop_at={stop_at}: {where}, so this run would stop before training a step (stop "
+                         "later, or not at all)")
 
 
 # changed on resume: honoured (the schedule and the optimizer's hyperparameters come from this run's config)
@@ -474,7 +491,7 @@ def _group_settings(optimizer) -> list[dict]:
     return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
 
 
-def _resume(run: _Run, resume_from, cfg: TrainConfig, optimizer, masters, batch_shape, data) -> dict:
+def _resume(run: _Run, resume_from, cfg: TrainConfig, optimizer, masters, batch_shape, data, stop_at=None) -> dict:
     """Load weights, optimizer state, RNG, step and history; this run's optimizer hyperparameters stay."""
     path, dcp, saved = _saved_state(resume_from)
     if dcp and masters is not None and not run.distributed:
@@ -495,6 +512,7 @@ def _resume(run: _Run, resume_from, cfg: TrainConfig, optimizer, masters, batch_
                          f"{saved['moment_dtype']!r}, master_format={saved['master_format']!r}, whose sharded state "
                          "has another layout (fp32 shards as masters, or bf16 shards with the optimizer's masters); "
                          "resume with those values")
+    check_resume_steps(saved["step"], cfg.steps, stop_at, path)  # before the load: a run of no step is refused
     _resume_report(saved, cfg, batch_shape, data)
     settings = _group_settings(optimizer)
     if dcp:
@@ -531,7 +549,9 @@ def fit(model, train_batches, cfg: TrainConfig, val_batches=None, resume_from: s
     resume_from:   a checkpoint folder or a run folder (``out_dir`` with ``latest``): weights,
         optimizer, RNG states, step and history are restored; build the same model first. This run's
         schedule and optimizer hyperparameters (lr, betas, weight decay, ...) are used, and a warning
-        names every changed setting (:data:`HONOURED_ON_RESUME`, :data:`DIFFERS_ON_RESUME`).
+        names every changed setting (:data:`HONOURED_ON_RESUME`, :data:`DIFFERS_ON_RESUME`). A resume
+        that would train no step (the checkpoint at or past ``cfg.steps`` or ``stop_at``) is refused
+        (:func:`check_resume_steps`).
     stop_at:       end this call after that many steps (the schedule still spans ``cfg.steps``);
         a later ``fit(..., resume_from=out_dir)`` continues, as after an interruption.
     parallel:      a :class:`k3lab.parallel.parallelize.ParallelOptions`: run the parallel plan over the
@@ -564,7 +584,7 @@ def fit(model, train_batches, cfg: TrainConfig, val_batches=None, resume_from: s
     step, tokens, elapsed_before, history, checkpoint = 0, 0, 0.0, [], None
     if resume_from is not None:
         shape = tuple(first[0].shape) if first is not None else None
-        state = _resume(run, resume_from, cfg, optimizer, masters, shape or (), data)
+        state = _resume(run, resume_from, cfg, optimizer, masters, shape or (), data, stop_at)
         checkpoint = Path(state["path"])
         step, history = state["step"], state["history"]
         tokens, elapsed_before = state.get("tokens", 0), state.get("elapsed", 0.0)

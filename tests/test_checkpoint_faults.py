@@ -4,6 +4,9 @@ by editing the saved files and must raise a ValueError naming the file/field, be
 
 Faults: a file (or DCP index entry) that resolves outside the checkpoint folder; malformed resume
 fields in state.json; a missing optimizer tensor; a saved model config that differs from the model's.
+Every checkpoint carries checksums.json (tests/test_operator_faults.py: a changed, truncated or missing
+file is refused by it); the faults here are planted by someone who also rewrites it (:func:`reseal`), so
+that the checks behind the checksums are what refuses them.
 """
 import dataclasses
 import json
@@ -15,7 +18,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from k3lab.checkpoint import CHECKPOINT_FILES, load_checkpoint, save_checkpoint
+from k3lab.checkpoint import CHECKPOINT_FILES, checksum_files, file_checksums, load_checkpoint, save_checkpoint, \
+    write_checksums
 from k3lab.config import ModelConfig
 from k3lab.model import K3ForCausalLM
 from k3lab.parallel.checkpoint import load_distributed, save_distributed
@@ -49,11 +53,17 @@ def load(fmt, path, model, opt=None):
     return (load_checkpoint if fmt == "safetensors" else load_distributed)(path, model, opt)
 
 
+def reseal(path):
+    """Rewrite ``path/checksums.json`` for the files as they are now (a tamperer who updates it too)."""
+    write_checksums(path, file_checksums(path, checksum_files(path)))
+
+
 def edit_state(path, change):
-    """Rewrite ``path/state.json`` with ``change(state)`` applied."""
+    """Rewrite ``path/state.json`` with ``change(state)`` applied (and reseal)."""
     state = json.loads((path / "state.json").read_text())
     change(state)
     (path / "state.json").write_text(json.dumps(state))
+    reseal(path)
 
 
 def weights(model):
@@ -100,6 +110,7 @@ def test_symlink_out_of_checkpoint_refused(tmp_path, name):
     path = save_checkpoint(tmp_path / "run", model, opt, dict(step=1))
     (path / name).unlink()
     os.symlink(other / name, path / name)
+    reseal(path)
     with pytest.raises(ValueError, match=rf"{name} resolves to .* outside the checkpoint folder"):
         load_checkpoint(path, small(1)[0], small(1)[1])
 
@@ -111,6 +122,7 @@ def tamper_storage(path, relative_path):
     metadata.storage_data = {k: dataclasses.replace(v, relative_path=relative_path)
                              for k, v in metadata.storage_data.items()}
     (path / ".metadata").write_bytes(pickle.dumps(metadata))
+    reseal(path)
 
 
 @pytest.mark.parametrize("where", ["relative", "absolute"])
@@ -134,7 +146,10 @@ def test_dcp_symlinked_data_file_refused(tmp_path):
     path = save_distributed(tmp_path / "run", 1, *small(), dict(step=1))
     (path / "__0_0.distcp").unlink()
     os.symlink(tmp_path / "elsewhere" / "ckpt-00000001" / "__0_0.distcp", path / "__0_0.distcp")
-    with pytest.raises(ValueError, match=r"\.metadata: file '__0_0\.distcp' resolves to .* outside the checkpoint"):
+    reseal(path)
+    # the checksum pass, which opens every file checksums.json lists, refuses it first
+    with pytest.raises(ValueError, match=r"(\.metadata|checksums\.json): file '__0_0\.distcp' resolves to .* outside "
+                                         r"the checkpoint"):
         load_distributed(path, small(1)[0], None)
 
 
@@ -177,6 +192,7 @@ def test_missing_optimizer_tensor_named(tmp_path):
     tensors = load_file(path / "optimizer.safetensors")
     del tensors["0.exp_avg"]
     save_file(tensors, path / "optimizer.safetensors")
+    reseal(path)
     fresh, fresh_opt = small(1)
     before = weights(fresh)
     with pytest.raises(ValueError, match=r"optimizer\.safetensors: optimizer tensors missing \['0\.exp_avg'\]"):
@@ -196,6 +212,7 @@ def test_dcp_missing_tensor_named(tmp_path):
     metadata = pickle.loads((path / ".metadata").read_bytes())
     del metadata.state_dict_metadata["model/2.bias"]
     (path / ".metadata").write_bytes(pickle.dumps(metadata))
+    reseal(path)
     with pytest.raises(ValueError, match=r"\.metadata: keys missing \['model/2\.bias'\]"):
         load_distributed(path, *small(1))
 

@@ -191,7 +191,8 @@ def test_saved_folder_layout(scenario):
     ckpt = run / "ckpt-00000002"
     assert scenario["train"]["path"] == str(ckpt) and (run / "latest").read_text() == "ckpt-00000002"
     names = sorted(p.name for p in ckpt.iterdir())
-    assert names == [".metadata", "__0_0.distcp", "__1_0.distcp", "rng-rank0.json", "rng-rank1.json", "state.json"]
+    assert names == [".metadata", "__0_0.distcp", "__1_0.distcp", "checksums.json", "rng-rank0.json", "rng-rank1.json",
+                     "state.json"]
     assert not list(run.glob(".tmp-ckpt-*"))
     state = json.loads((ckpt / "state.json").read_text())
     assert state["world_size"] == 2 and state["step"] == 2 and state["extra"]["note"] == "w2"

@@ -34,15 +34,18 @@ A checkpoint folder:
                             non-tensor value (param groups, scalar optimizer state) kept as JSON
     rng-rank<r>.json        rank r's RNG states: torch CPU (and CUDA) generator states as lists of
                             ints, python's and numpy's states
+    checksums.json          every other file's size and sha256 (:data:`k3lab.checkpoint.CHECKSUMS`),
+                            written by rank 0 once every rank's files are complete (the ranks hash a
+                            share of the files each), before the folder is renamed into place
 
 Only tensors go into DCP; every other value is JSON, so DCP's byte-item path (which unpickles with
 ``torch.load(weights_only=False)``) is never used, and a load refuses a ``.metadata`` that declares
 any requested key as bytes.
 
 Atomic save: every rank writes into ``run_dir/.tmp-ckpt-<step>`` (rank 0 creates it; barrier),
-then (barrier) rank 0 renames it to ``ckpt-<step:08d>``, swaps ``latest`` (temporary file +
-``os.replace``) and prunes to the ``keep`` newest (barrier); a crash before the rename leaves the
-previous ``latest`` valid. Each barrier is an all-reduce of an error flag, so a step that fails on
+then (barrier; the ranks hash the files, rank 0 writes checksums.json) rank 0 renames it to
+``ckpt-<step:08d>``, swaps ``latest`` (temporary file + ``os.replace``) and prunes to the ``keep``
+newest (barrier); a crash before the rename leaves the previous ``latest`` valid. Each barrier is an all-reduce of an error flag, so a step that fails on
 one rank raises on every rank instead of leaving the others waiting until the timeout. ``run_dir``
 must be one folder that every rank sees (a shared filesystem on several hosts).
 
@@ -58,7 +61,11 @@ leaves the optimizer without state. Loading builds the fresh optimizer's state f
 zero step), which needs its parameters to hold no gradients. Optimizer state the saved run had not
 built (a parameter that never got a gradient) stays absent after the load, as it was.
 
-Loading checks, before the model changes (ValueError naming the file and the field): every file the
+Loading checks, before the model changes (ValueError naming the file and the field): DCP's index
+first (read with the allow-list below: small, and never unpickled unchecked), then the checksums
+(each rank hashes a share of the files, every rank raises the same
+:class:`~k3lab.checkpoint.CheckpointCorrupt` naming the first missing, truncated or changed file; a
+folder without checksums.json, written before it existed, is not verified); every file the
 load opens (state.json, ``.metadata``, the rank's RNG file, and each data file the index names in its
 storage entries) must resolve, symlinks followed, inside the checkpoint folder
 (:func:`k3lab.checkpoint.file_inside`: a tampered index cannot point DCP at ``../../x.distcp`` or an
@@ -96,9 +103,10 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.tensor import DTensor
 
 from k3lab.precision import MasterWeightOptimizer
-from k3lab.checkpoint import (LATEST, json_value, plain_config, prune_checkpoints, rng_state, set_rng_state,
+from k3lab.checkpoint import (LATEST, CheckpointCorrupt, checksum_files, checksum_problems, file_checksums,
+                              json_value, plain_config, prune_checkpoints, rng_state, set_rng_state,
                               check_model_config, check_state_fields, file_inside, read_latest, read_state,
-                              write_latest)
+                              write_checksums, write_latest)
 
 FORMAT = "k3lab-dcp-checkpoint-v1"
 METADATA = ".metadata"  # DCP's index file inside a checkpoint folder
@@ -139,6 +147,28 @@ def _all_ok(error: BaseException | None, what: str, group) -> None:
         raise error
     if failed.item() > 0:
         raise RuntimeError(f"checkpoint: {what} failed on another rank (see its error)")
+
+
+def _all_gather(value, group) -> list:
+    """Every rank's ``value`` (plain data), in rank order; ``[value]`` without a process group."""
+    if not _distributed():
+        return [value]
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, value, group=group)
+    return out
+
+
+def _verify_checksums(path: Path, group) -> None:
+    """Every rank checks a share of the files checksums.json lists (their sizes all of them), and every rank
+    raises the same :class:`CheckpointCorrupt` naming the first bad file, or none does."""
+    rank, world = _rank_world(group)
+    try:
+        mine = checksum_problems(path, share=(rank, world)) or []
+    except (OSError, ValueError) as err:  # an unreadable manifest, or a path that leaves the folder
+        mine = [str(err).splitlines()[0]]
+    found = sorted(set().union(*map(set, _all_gather(mine, group))))
+    if found:
+        raise CheckpointCorrupt(found[0] + (f" (and {len(found) - 1} more)" if len(found) > 1 else ""))
 
 
 @contextlib.contextmanager
@@ -290,8 +320,8 @@ class _MetadataUnpickler(pickle.Unpickler):
                 ok = (isinstance(obj, type) and obj.__module__ == module
                       and (dataclasses.is_dataclass(obj) or issubclass(obj, Enum)))
         if not ok:
-            raise ValueError(f"{self.path}: references {module}.{name}, which a DCP index does not hold; "
-                             "refused (unpickling it could run code)")
+            raise CheckpointCorrupt(f"{self.path}: references {module}.{name}, which a DCP index does not hold; "
+                                    "refused (unpickling it could run code)")
         return super().find_class(module, name)
 
 
@@ -306,7 +336,7 @@ def _read_metadata(path: Path):
     except ValueError:
         raise
     except Exception as err:  # truncated or garbage
-        raise ValueError(f"{file}: not a readable DCP index ({type(err).__name__}: {err})") from None
+        raise CheckpointCorrupt(f"{file}: not a readable DCP index ({type(err).__name__}: {err})") from None
     _check_storage_paths(metadata, path, file)
     return metadata
 
@@ -413,9 +443,19 @@ def save_distributed(run_dir, step: int, model: nn.Module, optimizer: torch.opti
         error = err
     _all_ok(error, f"writing the JSON files in {tmp}", group)
 
+    error, sums = None, {}
+    try:  # every file is complete: each rank hashes a share of them, rank 0 writes the manifest
+        names = checksum_files(tmp)
+        sums = file_checksums(tmp, names[rank::world])
+    except Exception as err:  # noqa: BLE001
+        error = err
+    _all_ok(error, f"hashing the files in {tmp}", group)
+    sums = {name: entry for part in _all_gather(sums, group) for name, entry in part.items()}
+
     error = None
     if rank == 0:
         try:
+            write_checksums(tmp, sums)
             if final.exists():  # the same step saved again (a resumed run that stops where it started)
                 shutil.rmtree(final)
             os.replace(tmp, final)
@@ -458,6 +498,12 @@ def load_distributed(path, model: nn.Module, optimizer: torch.optim.Optimizer | 
     Returns ``extra`` as saved, plus ``path``, ``step`` (when extra has none), ``world_size_saved``,
     ``rng_restored`` and, when something could not be restored, ``warnings`` (a list of strings).
     """
+    path = Path(path)
+    if (path / LATEST).is_file():
+        path = read_latest(path)
+    if (path / METADATA).is_file():  # the index first, with the allow-list: a tampered one is never unpickled
+        _read_metadata(path)
+    _verify_checksums(path, group)  # then every file's bytes: a missing one is named as such
     path = resolve_distributed_checkpoint(path)
     state_file = file_inside(path, "state.json")
     state = read_state(state_file, FORMAT)

@@ -66,13 +66,16 @@ class ParallelDims:
     def check_model(self, cfg, batch_size: int, seq_len: int, chunk: int = 1) -> None:
         """Errors naming the field when the model or batch cannot be split this way."""
         if cfg.mlp_kind != "dense" and cfg.n_routed_experts % self.ep != 0:
-            raise ValueError(f"parallel dims: ep={self.ep} must divide n_routed_experts={cfg.n_routed_experts}")
+            raise ValueError(f"parallel dims: ep={self.ep}: must divide the model's n_routed_experts "
+                             f"{cfg.n_routed_experts}")
         if self.ep > 1 and cfg.mlp_kind == "dense":
-            raise ValueError(f"parallel dims: ep={self.ep} needs a MoE model (mlp_kind={cfg.mlp_kind!r})")
+            raise ValueError(f"parallel dims: ep={self.ep}: needs a MoE model (the model's mlp_kind is "
+                             f"{cfg.mlp_kind!r})")
         if batch_size % self.dp_shard != 0:
-            raise ValueError(f"parallel dims: dp_shard={self.dp_shard} must divide batch_size={batch_size}")
+            raise ValueError(f"parallel dims: dp_shard={self.dp_shard}: must divide batch_size={batch_size} (each "
+                             "data-parallel rank takes an equal share of the global batch's rows)")
         if seq_len % (self.cp * chunk) != 0:
-            raise ValueError(f"parallel dims: cp={self.cp} must split seq_len={seq_len} into equal parts"
+            raise ValueError(f"parallel dims: cp={self.cp}: must split seq_len={seq_len} into equal parts"
                              + (f" of whole multiples of {chunk}" if chunk > 1 else ""))
 
     def coords(self, rank: int) -> dict[str, int]:
@@ -157,10 +160,13 @@ def init_groups(dims: ParallelDims, device_type: str = "cpu", timeout_s: float =
     return ParallelGroups(dims, rank, dist.group.WORLD, cp, ep, edp, mesh, expert_mesh)
 
 
-def init_process_group_from_env(device_type: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> bool:
+def init_process_group_from_env(device_type: str, timeout_s: float = DEFAULT_TIMEOUT_S, *, store=None,
+                                rank: int | None = None, world_size: int | None = None) -> bool:
     """Under torchrun (``WORLD_SIZE`` set): init the default group (nccl on CUDA, gloo on CPU) with a
     timeout, pin this rank's GPU; returns True. Alone: returns False and starts nothing. A bad
-    ``timeout_s`` raises ValueError (:func:`check_timeout`) either way."""
+    ``timeout_s`` raises ValueError (:func:`check_timeout`) either way. ``store`` (with ``rank`` and
+    ``world_size``): a store the caller already met the others on (``dist.rendezvous("env://")``, prefixed
+    ``default_pg`` as torch's own rendezvous does), instead of a rendezvous here."""
     import os
 
     timeout_s = check_timeout(timeout_s)
@@ -169,5 +175,6 @@ def init_process_group_from_env(device_type: str, timeout_s: float = DEFAULT_TIM
     backend = "nccl" if device_type == "cuda" else "gloo"
     if device_type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    given = {} if store is None else dict(store=store, rank=rank, world_size=world_size)
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **given)
     return True
