@@ -143,6 +143,15 @@ class InferenceCosts:
                   for kind in self.layer_kinds())
         return 2 * self.active_params() * N + mix
 
+    def training_flops(self, n_tokens: int, seq_len: int) -> int:
+        r"""FLOPs to train on ``n_tokens`` tokens in sequences of ``seq_len``: forward + backward = 3 × forward,
+        ``C = 3 · (n_tokens / T) · prefill_flops(T) = 6 P D + 3 (D / T) Σ_layers F_mix(T)`` — Kaplan's ``6 N D`` with
+        the LM head in ``P`` and the token mixing (MLA's causal pairs, KDA's ``7 H K V`` a token) added, the same rule
+        for every architecture (the scaling-law harness, ``k3lab.experiments.scaling``)."""
+        T = _check_tokens("seq_len", seq_len)
+        D = _check_tokens("n_tokens", n_tokens)
+        return 3 * D * self.prefill_flops(T) // T
+
     def decode_flops(self, context: int) -> int:
         r"""FLOPs to generate the token at position N (attending to N keys): ``2 P + Σ_layers F_mix(N)``.
 

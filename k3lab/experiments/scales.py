@@ -29,6 +29,22 @@ GPU_MODEL = dict(hidden_size=256, linear_attn_config=dict(num_heads=4, head_dim=
                  v_head_dim=64, intermediate_size=704)
 
 SCALES: dict[str, dict[str, dict]] = {
+    # 15 · scaling laws (SCALE-3, AR-3, HYB-2; k3lab.experiments.scaling). GPU: depth 8, widths 64-192 (0.49-4.0 M
+    # non-embedding parameters, 45x in training compute at 10 tokens a parameter), 32 x 512 byte tokens of the code
+    # corpus a step, bf16, CUDA graphs; the KJV Bible as the out-of-distribution set. cpu: all-MLA (the torch KDA
+    # reference is slow on a CPU) at widths 16-48, depth 4, undertrained by design (a demonstration of the pipeline).
+    # smoke: the GPU scale's variants and code path at tiny sizes on a CPU.
+    "15": {
+        "cpu": dict(variants=["mla", "mla+attnres"], corpus="kjv", widths=[16, 24, 32, 48], depth=4, seq_len=64,
+                    batch_size=8, tokens_per_param=0.15, min_steps=10, lr0=4e-2, lr_sweep=[0.5, 1.0, 2.0, 4.0],
+                    eval_batches=4, cuda_graph=False, dtype="float32", budget_s=None, run_budget_s=None),
+        "gpu": dict(variants=None, corpus="code", widths=[64, 96, 128, 192], depth=8, seq_len=512, batch_size=32,
+                    tokens_per_param=10.0, min_steps=100, lr0=6e-3, lr_sweep=[0.5, 1.0, 2.0], eval_batches=16, cuda_graph=True,
+                    dtype="bfloat16", budget_s=420, run_budget_s=150),
+        "smoke": dict(variants=None, corpus="kjv", widths=[16, 32, 48, 64], depth=4, seq_len=32, batch_size=4,
+                      tokens_per_param=0.02, min_steps=3, lr0=1e-2, lr_sweep=[1.0, 2.0], eval_batches=1, cuda_graph=True, dtype="float32",
+                      budget_s=240, run_budget_s=60),
+    },
     # 01 · MQAR: KDA vs Gated DeltaNet vs Mamba2 (KL §5.1). GPU: two layers, 2 heads of 64 (a 64 x 64 state per
     # head), 256-token rows with up to 64 key-value pairs (zoology's standard length), 1,000 steps of 128 rows, each
     # mixer at its better of two learning rates (``lrs``, zoology's sweep: Gated DeltaNet stalled at 3e-3 alone on
