@@ -1,6 +1,9 @@
 """Repository-wide pytest hooks: after a run that included notebooks (nbval), print the slowest ones; before a
 run of the GPU tests, restore fla's recorded autotuning into Triton's cache and pin every Triton autotuner to one
-configuration (``k3lab.kernels.autotune``; ``K3LAB_PIN_AUTOTUNE=0`` leaves autotuning as it is).
+configuration (``k3lab.kernels.autotune``; ``K3LAB_PIN_AUTOTUNE=0`` leaves autotuning as it is); around every
+test (notebook cells too), the process's SIGINT / SIGTERM handlers: a test that leaves one changed gets an error
+at teardown naming it, and the handler is put back, so no test sees another's (pytest-xdist runs many files in
+one process, in an order that varies; tests/test_launch_faults.py's Ctrl-C test relies on SIGINT).
 
 nbval makes one test item per cell, so pytest's ``--durations`` lists cells; this adds up setup, call
 and teardown of every cell (the kernel start included) per notebook and flags any notebook over the
@@ -9,9 +12,13 @@ course budget (90 s on 2 CPU cores).
 
 import json
 import os
+import signal
 import tarfile
+import threading
 from collections import defaultdict
 from pathlib import Path
+
+import pytest
 
 # Tests and the notebooks' kernels (which inherit this environment) run torch single-threaded unless
 # told otherwise: the tiny models' small ops are faster on one thread, and it lets pytest-xdist use
@@ -90,6 +97,36 @@ def pytest_configure(config):
     if selects_gpu_tests(config.getoption("markexpr", "")):
         restore_fla_autotuning(triton_cache_dir())
         pin_test_autotuning()
+
+
+GUARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # process-wide: what one test changes, the next one inherits
+_HANDLERS_BEFORE = pytest.StashKey[dict]()
+
+
+def signal_handlers() -> dict:
+    """``{signal: handler}`` of :data:`GUARDED_SIGNALS` (None: installed outside Python, which cannot be put back)."""
+    return {sig: signal.getsignal(sig) for sig in GUARDED_SIGNALS}
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    item.stash[_HANDLERS_BEFORE] = signal_handlers()  # before the test's fixtures
+    return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    result = yield  # after the test's fixtures: a fixture that restores what it changed is fine
+    before = item.stash.get(_HANDLERS_BEFORE, {})
+    changed = {sig: (old, signal.getsignal(sig)) for sig, old in before.items()
+               if old is not None and signal.getsignal(sig) != old}
+    if changed and threading.current_thread() is threading.main_thread():
+        for sig, (old, _) in changed.items():
+            signal.signal(sig, old)
+        what = "; ".join(f"{signal.Signals(sig).name} {old!r} -> {new!r}" for sig, (old, new) in changed.items())
+        raise RuntimeError(f"{item.nodeid} left the process's signal handling changed ({what}); put back for the "
+                           "tests after it: a test that changes a signal handler must restore it")
+    return result
 
 
 def notebook_seconds(stats: dict) -> dict[str, float]:

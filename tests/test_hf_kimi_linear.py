@@ -4,7 +4,9 @@ Tiny random-init ``KimiLinearForCausalLM`` models are built here (never download
 ``save_pretrained``; k3lab reads them (config in either dialect, weights sharded or not, fp32 or bf16) and
 must give transformers' logits to 1e-5 relative in fp32; k3lab writes Kimi-Linear-shaped models that
 ``AutoModelForCausalLM.from_pretrained`` loads with no missing or unexpected key, to the same logits. A
-mismatch names the first sublayer where the two models part (:mod:`k3lab.hf.compare`). Planted faults
+mismatch names the first sublayer where the two models part (:mod:`k3lab.hf.compare`). The edges transformers
+runs are read to the same logits: a config transformers has loaded and saved again (``rope_parameters``),
+``tie_word_embeddings`` both ways, every expert on every token (top-k = experts). Planted faults
 (wrong gate, a missing, extra or wrongly shaped tensor, mixed or unknown config fields) are loud. Both of
 transformers' save formats are read and written: the original (``save_pretrained``'s default) and the internal
 one (``save_original_format=False``: fused ``conv1d`` and ``experts.gate_up_proj``, split exactly on load).
@@ -152,9 +154,9 @@ def test_dense_layer_under_either_name(tmp_path):
 # ----------------------------------------------------------------------------------------------
 # k3lab -> transformers
 # ----------------------------------------------------------------------------------------------
-def k3lab_model(q_lora_rank, seed: int = 2) -> K3ForCausalLM:
-    """A k3lab model built from a Kimi Linear config, every parameter random."""
-    raw = dict(TINY, model_type="kimi_linear", q_lora_rank=q_lora_rank)
+def k3lab_model(q_lora_rank, seed: int = 2, **changes) -> K3ForCausalLM:
+    """A k3lab model built from a Kimi Linear config (``changes``: its fields), every parameter random."""
+    raw = dict(TINY, model_type="kimi_linear", q_lora_rank=q_lora_rank, **changes)
     torch.manual_seed(seed)
     model = K3ForCausalLM(from_hf_config(raw)).eval()
     with torch.no_grad():
@@ -420,3 +422,114 @@ def test_a_kimi_linear_config_always_gets_its_gate():
             from_hf_config(raw, **{field: value})
     with pytest.raises(ValueError, match=r"neither model_type nor architectures names the model"):
         from_hf_config({k: v for k, v in raw.items() if k != "model_type"})
+
+
+# ----------------------------------------------------------------------------------------------
+# edges transformers runs (issue 38)
+# ----------------------------------------------------------------------------------------------
+def test_a_hub_checkpoint_transformers_loaded_and_saved_again(tmp_path):
+    """transformers reads the hub's ``rope_scaling: null`` and writes ``rope_parameters: null`` back (RoPE
+    settings: unused under NoPE); the re-saved folder reads to the same config and logits."""
+    theirs = transformers_model(None, seed=7)
+    path = save(theirs, tmp_path / "hub")
+    rewrite_config(path, lambda cfg: dict(hub_dialect(cfg), rope_theta=10000.0, rope_scaling=None,
+                                          torch_dtype="float32"))
+    again = save(load_transformers(path), tmp_path / "again")
+    written = json.loads((again / "config.json").read_text())
+    assert "rope_parameters" in written and written["rope_parameters"] is None  # what transformers adds
+    assert from_hf_config(again / "config.json") == from_hf_config(path / "config.json")
+    assert_same_logits(load_hf_checkpoint(again, dtype=torch.float32, progress=False).model, theirs)
+    # the config alone, through KimiLinearConfig's own save (as a hub config.json is usually re-saved)
+    hub = dict(HUB_48B_SHAPE, rope_theta=10000.0, rope_scaling=None)
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "config.json").write_text(json.dumps(hub))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        KimiLinearConfig.from_pretrained(tmp_path / "cfg", local_files_only=True).save_pretrained(tmp_path / "cfg2")
+    assert from_hf_config(tmp_path / "cfg2" / "config.json") == from_hf_config(hub)
+
+
+def test_tied_embeddings_both_ways(tmp_path):
+    """``tie_word_embeddings: true``. transformers' KimiLinearForCausalLM never ties (its ``_tied_weights_keys``
+    is empty): its lm_head is a tensor of its own, saved and loaded as such. A tied model's head holds the
+    embedding: k3lab reads that folder tied, and writes lm_head.weight (the embedding) for transformers."""
+    theirs = transformers_model(None, seed=8, tie_word_embeddings=True)
+    with torch.no_grad():
+        theirs.lm_head.weight.copy_(theirs.model.embed_tokens.weight)
+    path = save(theirs, tmp_path / "theirs")
+    assert torch.equal(tensors(path)["lm_head.weight"], tensors(path)["model.embed_tokens.weight"])
+    ours = load_hf_checkpoint(path, dtype=torch.float32, progress=False).model
+    assert ours.config.tie_word_embeddings and ours.lm_head.weight is ours.model.embed_tokens.weight
+    assert_same_logits(ours, theirs)
+
+    mine = k3lab_model(None, seed=9, tie_word_embeddings=True)
+    assert mine.lm_head.weight is mine.model.embed_tokens.weight
+    out = save_hf_checkpoint(mine, tmp_path / "ours", dtype=torch.float32, progress=False)
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is True
+    assert_same_logits(mine, load_transformers(out))  # no missing lm_head.weight
+    back = load_hf_checkpoint(out, dtype=torch.float32, progress=False).model
+    assert back.lm_head.weight is back.model.embed_tokens.weight
+    assert all(torch.equal(v, back.state_dict()[k]) for k, v in mine.state_dict().items())
+
+
+def test_a_tied_config_with_a_head_of_its_own_is_refused(tmp_path):
+    """transformers runs the stored head whatever tie_word_embeddings says; k3lab ties as the config says, so a
+    head that is not the embedding would give other logits: refused, naming the field and the fix."""
+    theirs = transformers_model(None, seed=10, tie_word_embeddings=True)  # its own random head
+    path = save(theirs, tmp_path / "kl")
+    with pytest.raises(ValueError, match=r"lm_head.weight differs from model.embed_tokens.weight, but config.json "
+                                         r"says tie_word_embeddings=true .* set tie_word_embeddings to false") as err:
+        load_hf_checkpoint(path, progress=False)
+    assert "\n" not in str(err.value)
+    rewrite_config(path, lambda cfg: dict(cfg, tie_word_embeddings=False))  # the fix the message names
+    assert_same_logits(load_hf_checkpoint(path, dtype=torch.float32, progress=False).model, theirs)
+
+
+DROP = object()  # a field left out
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(attn_res_block_size=12), r"^kl/config.json: attn_res_block_size is a K3 field, but K3's "
+                                   r"routed_expert_hidden_size, .* are missing: a Kimi Linear config with K3 fields "
+                                   r"added \(a mixed dialect\)"),
+    (dict(attn_res_block_size=12, routed_expert_hidden_size=32, hidden_act=DROP),
+     r"^kl/config.json: routed_expert_hidden_size, attn_res_block_size are K3 fields, but K3's latent_moe_use_norm, "
+     r".* are missing: a Kimi Linear config with K3 fields added"),
+    (dict(linear_attn_config=dict(HUB_48B_SHAPE["linear_attn_config"], use_full_rank_gate=True)),
+     r"^kl/config.json: linear_attn_config.use_full_rank_gate is a K3 field, but"),
+], ids=["one-k3-field", "two-k3-fields", "k3-gate-field"])
+def test_a_hub_config_with_k3_fields_added_is_refused(change, match):
+    """The hub's dialect shares K3's names; only K3's own fields tell a bare K3 text config apart, so some of
+    them without the others is a mixed config, refused naming the fields added (never built as K3)."""
+    raw = dict(HUB_48B_SHAPE, hidden_act="silu", num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=16,
+               qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, intermediate_size=64, moe_intermediate_size=16)
+    raw.update(change)  # a complete hub config.json (every field given, as Moonshot's) with K3 fields added
+    raw = {k: v for k, v in raw.items() if v is not DROP}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # refused, not built with a warning
+        with pytest.raises(ValueError, match=match) as err:
+            from_hf_config(raw, source="kl/config.json")
+    assert "\n" not in str(err.value)
+    # the release's text config alone (every K3 field) is still K3
+    release = json.loads((Path(__file__).parent / "fixtures" / "k3_config.json").read_text())["text_config"]
+    assert from_hf_config(release) == ModelConfig.preset("k3")
+
+
+@pytest.mark.parametrize("balancer", ["quantile_hist", "quantile_exact"])
+def test_every_expert_on_every_token(balancer, tmp_path):
+    """num_experts_per_tok == n_routed_experts (transformers runs it): every load is the target whatever the
+    bias, so Quantile Balancing has nothing to move; the logits are transformers', a training step runs."""
+    theirs = transformers_model(None, seed=11, num_experts_per_tok=TINY["num_local_experts"])
+    path = save(theirs, tmp_path / "kl")
+    ours = load_hf_checkpoint(path, dtype=torch.float32, progress=False, balancer=balancer).model
+    assert ours.config.num_experts_per_tok == ours.config.n_routed_experts == 4
+    assert_same_logits(ours, theirs)
+    moe = ours.model.layers[1].block_sparse_moe
+    before = moe.gate.e_score_correction_bias.detach().clone()
+    ours.train()
+    ours(input_ids=IDS, labels=IDS).loss.backward()
+    moe.balancer.update()
+    assert torch.equal(moe.gate.e_score_correction_bias, before)
+    assert moe.balancer.metrics()["max_violation"] == 0.0 and moe.balancer.metrics()["load"].tolist() == [140] * 4
+    with pytest.raises(ValueError, match=r"num_experts_per_tok=5: top-k must be <= n_routed_experts=4"):
+        from_hf_config(dict(TINY, model_type="kimi_linear", num_experts_per_tok=5))

@@ -2,7 +2,8 @@
 
 * launch() (k3lab.parallel.launch): a failing rank's own error in one line (not torchrun's
   ChildFailedError), a malformed ``--steps``, a timeout with a silent worker that ignores SIGTERM, and
-  Ctrl-C: afterwards no process of the tree is left;
+  Ctrl-C (``_thread.interrupt_main`` under Python's own SIGINT handler, installed by the test whatever the
+  process inherited): afterwards no process of the tree is left;
 * process-group timeouts (k3lab.parallel.dims): validated, and every group, the device meshes' too, waits
   the run's timeout (not torch's 30-minute default);
 * heartbeats (k3lab.parallel.heartbeat): a rank stopped with SIGSTOP is named, by diagnose() and by the
@@ -12,6 +13,7 @@ Most runs use tests/fixtures/launch_worker.py (the worker contract without the m
 unless it needs a process group), two use the real command line (``-m k3lab.parallel.run``).
 """
 import _thread
+import contextlib
 import math
 import os
 import re
@@ -137,7 +139,55 @@ def test_launch_timeout_kills_a_silent_tree_that_ignores_sigterm(tmp_path):
     _assert_tree_gone(tmp_path)
 
 
-def test_launch_ctrl_c_kills_the_tree(tmp_path):
+@contextlib.contextmanager
+def python_sigint_handler():
+    """SIGINT handled by Python's ``default_int_handler`` (KeyboardInterrupt in the main thread) inside, the
+    previous disposition put back after. ``_thread.interrupt_main()`` runs the installed handler and does nothing
+    at all where SIGINT is ignored or at its OS default: a pytest started in the background of a shell without job
+    control (``pytest &``, ``nohup pytest &``, some CI runners) inherits SIG_IGN, its xdist workers too, and the
+    simulated Ctrl-C would never reach launch(), which then runs into its timeout (issue 38)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_DFL if previous is None else previous)
+
+
+@pytest.fixture
+def python_sigint():
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("Ctrl-C reaches the main thread only, and this test does not run there")
+    with python_sigint_handler():
+        yield
+
+
+def _let_an_interrupt_in(seconds: float) -> None:
+    """Run Python bytecode for ``seconds``: interrupt_main()'s KeyboardInterrupt is raised at the loop's jump."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("inherited", [signal.SIG_IGN, signal.SIG_DFL, lambda signum, frame: None],
+                         ids=["ignored", "os-default", "another-handler"])
+def test_the_simulated_ctrl_c_holds_whatever_sigint_the_process_has(inherited, python_sigint):
+    """What made the Ctrl-C test below depend on how pytest was started: with SIGINT ignored, at its OS default
+    or handled by another function, interrupt_main() raises nothing; python_sigint_handler() gives the test
+    Python's own handler whatever was there, and puts that back."""
+    previous = signal.signal(signal.SIGINT, inherited)
+    try:
+        _thread.interrupt_main()
+        _let_an_interrupt_in(0.2)  # nothing happens: this Ctrl-C never reaches the test
+        with python_sigint_handler():
+            with pytest.raises(KeyboardInterrupt):
+                _thread.interrupt_main()
+                _let_an_interrupt_in(5.0)
+        assert signal.getsignal(signal.SIGINT) is inherited
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def test_launch_ctrl_c_kills_the_tree(tmp_path, python_sigint):
     def interrupt_once_started():
         deadline = time.monotonic() + 60
         while len(list(tmp_path.glob("rank*.pid"))) < 2 and time.monotonic() < deadline:

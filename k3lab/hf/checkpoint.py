@@ -7,7 +7,9 @@ when reading and by the model's config (:func:`k3lab.hf.config.config_family`) w
 * **Kimi Linear** (what transformers' ``KimiLinearForCausalLM.save_pretrained`` writes): k3lab's state-dict
   names with no prefix, routed experts per expert as in K3, ``self_attn.A_log`` stored ``[1, 1, H, 1]``, and
   the dense first layer's MLP stored as ``mlp.*`` or ``block_sparse_moe.*`` (transformers writes the second,
-  k3lab's writer too). Written with transformers' ``config.json`` (``model_type`` "kimi_linear"), so that
+  k3lab's writer too), and ``lm_head.weight`` stored even under ``tie_word_embeddings`` (transformers'
+  ``KimiLinearForCausalLM`` never ties: k3lab writes a copy of the embedding, and reads a stored head only
+  where it equals the embedding). Written with transformers' ``config.json`` (``model_type`` "kimi_linear"), so that
   ``AutoModelForCausalLM.from_pretrained`` loads it with no missing or unexpected key. That is transformers'
   "original" format (``save_pretrained``'s default); its "internal" one (``save_original_format=False``: the
   names of its modules) fuses the short convs into ``self_attn.conv1d.weight [3·H·K, 1, W]`` and the experts
@@ -30,7 +32,7 @@ Tensor names are ``language_model.`` + k3lab's state-dict name (the prefix is op
   [I, L/2]`` + ``weight_scale [I, L/32]`` (uint8), dequantized on load with compressed-tensors;
 * ``self_attn.A_log`` of H heads is stored ``[H]`` or padded ``[P > H]`` (the release: [128] for 96 heads);
   the first H entries are the heads';
-* ``lm_head.weight`` is absent when ``tie_word_embeddings``.
+* ``lm_head.weight`` is absent when ``tie_word_embeddings`` (the reader accepts one equal to the embedding).
 
 Stored dtypes follow the release: float32 for :data:`FP32_SUFFIXES` (short-conv weights, ``dt_bias``, ``A_log``,
 ``o_norm``, the router's ``e_score_correction_bias``), bf16 (the writer's ``dtype``) for the rest.
@@ -212,8 +214,9 @@ def _plan(model: K3ForCausalLM, dtype: torch.dtype | None, quantize: bool, a_log
                 fused.setdefault(part.stored, []).append((part.start, name))
     units = []
     for name, value in state.items():
-        if name == "lm_head.weight" and cfg.tie_word_embeddings:
-            continue  # the embedding's tensor
+        if name == "lm_head.weight" and cfg.tie_word_embeddings and family != "kimi_linear":
+            continue  # the embedding's tensor (K3's release layout); transformers' Kimi Linear never ties, so
+            # that layout stores the head, a copy of the embedding, which from_pretrained loads
         if layers is not None and name.startswith("model.layers.") and int(name.split(".")[2]) not in layers:
             continue
         want = stored_dtype(name, dtype if dtype is not None else value.dtype)
@@ -483,6 +486,24 @@ def _parse_layers(layers, num_layers: int) -> list[int]:
     return sorted(set(items))
 
 
+def _check_tied_head(head_name: str, embed_name: str, tensor, handle, family: str, file: Path,
+                     config_file: Path) -> None:
+    """A stored ``lm_head.weight`` under ``tie_word_embeddings``: accepted (read, and dropped for the tie) where it
+    equals the stored embedding bit for bit, as in a Kimi Linear checkpoint (transformers' Kimi Linear never ties
+    and stores the head, k3lab's writer a copy); a different head is a ValueError naming the field."""
+    head = tensor(head_name)
+    embed = handle(embed_name).get_tensor(embed_name)
+    if tuple(head.shape) != tuple(embed.shape):
+        raise ValueError(f"{file}: {head_name} has shape {list(head.shape)}, expected {list(embed.shape)} (the "
+                         f"embedding's, tie_word_embeddings=true in {config_file.name})")
+    if not torch.equal(head, embed.to(head.dtype)):
+        also = (" transformers' KimiLinearForCausalLM never ties the two and would run the stored head;"
+                if family == "kimi_linear" else "")
+        raise ValueError(f"{file}: {head_name} differs from {embed_name}, but {config_file.name} says "
+                         f"tie_word_embeddings=true (the head is the embedding):{also} k3lab ties them as the config "
+                         f"says; set tie_word_embeddings to false in {config_file} to load the separate head")
+
+
 @torch.no_grad()
 def load_hf_checkpoint(path: str | os.PathLike, *, layers=None, embeddings: bool = True, head: bool = True,
                        routed_experts: bool = True, dtype: torch.dtype = torch.bfloat16,
@@ -644,6 +665,10 @@ def load_hf_checkpoint(path: str | os.PathLike, *, layers=None, embeddings: bool
                 raise ValueError(f"{path / weight_map[stored]}: {stored} has dtype {t.dtype}, expected a float tensor")
             dest.copy_(t)
         bar.close()
+        head_name = prefix + "lm_head.weight"
+        if cfg.tie_word_embeddings and head and head_name in weight_map:
+            _check_tied_head(head_name, prefix + EMBED_PREFIX + "weight", tensor, handle, family,
+                             path / weight_map[head_name], config_file)
 
     extra = sorted(k for k in weight_map if k not in consumed and _owned_by_selection(
         k, prefix, None if layers is None else set(layer_list), embeddings, head, routed_experts))

@@ -24,9 +24,11 @@ other than what the field says (``mla_use_nope=false``: transformers never rotat
 transformers ignores it), the config is refused.
 
 The family is decided from ``model_type`` / ``architectures`` and the fields present, never guessed: the
-wrapper or any K3-only field (:data:`K3_ONLY_KEYS`) makes a K3 config; otherwise a config naming
-``kimi_linear`` is Kimi Linear. A K3 field beside a field only transformers' Kimi Linear has, a Kimi Linear
-field k3lab does not know, or a config naming neither family is a one-line ValueError naming the field.
+wrapper makes a K3 config, and so do K3's own fields (:data:`K3_ONLY_KEYS`) in a bare text config, which must
+then give every one of them (:data:`K3_TEXT_FIELDS`, as the release's ``text_config`` does); otherwise a
+config naming ``kimi_linear`` is Kimi Linear. A K3 field beside a field only transformers' Kimi Linear has,
+some of K3's fields without the others (a Kimi Linear config with K3 fields added), a Kimi Linear field
+k3lab does not know, or a config naming neither family is a one-line ValueError naming the fields.
 A Kimi Linear config always builds Kimi Linear's layers (:data:`KIMI_LINEAR_SHAPE`: its softplus KDA gate,
 low-rank output gate, no MLA gate, PreNorm, standard MoE, SwiGLU); overrides may change only
 :data:`OVERRIDABLE` (how the model runs, not what it computes).
@@ -85,6 +87,10 @@ HF_EXPERIMENT_KEY = "k3lab"
 K3_ONLY_KEYS = ("routed_expert_hidden_size", "attn_res_block_size", "latent_moe_use_norm", "activation_situ_beta",
                 "activation_situ_linear_beta", "mla_use_output_gate", HF_EXPERIMENT_KEY)
 K3_ONLY_LINEAR_ATTN_KEYS = ("gate_lower_bound", "use_full_rank_gate")
+# what a bare K3 text config (no wrapper: it names kimi_linear like Kimi Linear does) gives all of, as the
+# release's text_config does: with some of them only, it is a Kimi Linear config with K3 fields added
+K3_TEXT_FIELDS = tuple(k for k in K3_ONLY_KEYS if k != HF_EXPERIMENT_KEY) + tuple(
+    f"linear_attn_config.{k}" for k in K3_ONLY_LINEAR_ATTN_KEYS)
 
 # --- Kimi Linear (transformers' kimi_linear, 5.25.0) -----------------------------------------------
 # transformers' field -> its default: what transformers builds when a config.json leaves the field out
@@ -114,11 +120,12 @@ KIMI_LINEAR_CHECKED = {
     "use_grouped_topk": (True, False), "topk_method": ("noaux_tc",), "moe_layer_freq": (1,),
     "moe_router_activation_func": ("sigmoid",), "mla_use_nope": (True,), "num_nextn_predict_layers": (0,),
 }
-# read and not used: bookkeeping, training-only or derived fields, and RoPE settings under NoPE
+# read and not used: bookkeeping, training-only or derived fields, and RoPE settings under NoPE (transformers'
+# save_pretrained writes rope_parameters, null or {rope_theta, rope_type}, for a config read with rope_scaling)
 KIMI_LINEAR_IGNORED = ("architectures", "model_type", "transformers_version", "dtype", "torch_dtype", "auto_map",
                        "_name_or_path", "use_cache", "output_router_logits", "pretraining_tp", "attention_dropout",
-                       "head_dim", "qk_head_dim", "rope_theta", "rope_scaling", "return_dict", "output_hidden_states",
-                       "output_attentions", "tokenizer_class", "quantization_config")
+                       "head_dim", "qk_head_dim", "rope_theta", "rope_scaling", "rope_parameters", "return_dict",
+                       "output_hidden_states", "output_attentions", "tokenizer_class", "quantization_config")
 # keys only transformers' Kimi Linear dialect has (refused inside a K3 config)
 KIMI_LINEAR_ONLY_KEYS = ("layer_types", "mlp_layer_types", "linear_num_heads", "linear_head_dim",
                          "linear_conv_kernel_dim", "num_local_experts", "n_group", "norm_topk_prob")
@@ -167,6 +174,13 @@ def hf_family(cfg: dict, where: str = "config") -> str:
         raise ValueError(f"{where}: {k3_keys[0]} is a K3 field and {kl_keys[0]} a field of transformers' Kimi Linear "
                          "config; one config.json describes one family (remove the other family's fields)")
     if k3_keys:
+        missing = [k for k in K3_TEXT_FIELDS if k not in k3_keys]
+        if missing:  # no wrapper: only K3's own fields tell a K3 text config from Kimi Linear, so all of them
+            added = ", ".join(k3_keys)
+            what = f"{added} is a K3 field" if len(k3_keys) == 1 else f"{added} are K3 fields"
+            raise ValueError(f"{where}: {what}, but K3's {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} "
+                             "missing: a Kimi Linear config with K3 fields added (a mixed dialect); one config.json "
+                             f"describes one family (remove {added} for Kimi Linear, or give every K3 field for K3)")
         return "k3"
     if model_type is None and arch is None:
         raise ValueError(f"{where}: neither model_type nor architectures names the model and no K3 field is present; "

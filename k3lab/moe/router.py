@@ -221,13 +221,17 @@ class QuantileBalancer(Balancer):
         b̂_j = b_min − 1 + (β_j + clip((q − c_j)/h_j, 0, 1))·w
 
     Error ≤ one bin width, and the result is exactly invariant to how the tokens were sharded.
+
+    With k = E (``num_experts_per_tok == n_routed_experts``, which transformers' Kimi Linear runs too) every
+    token takes every expert: each load is the target m·k/E = m whatever the bias (∂L/∂β_j = q − load_j = 0,
+    and α = −inf), so there is nothing to balance and the bias stays as it is; the load is still counted.
     """
 
     def __init__(self, bias: Tensor, top_k: int, exact: bool = False, num_bins: int = 1000):
         super().__init__(bias, top_k)
-        if top_k >= self.num_experts:
-            raise ValueError(f"QuantileBalancer: top_k={top_k} must be < num_experts={self.num_experts} "
-                             "(with k = E there is nothing to balance)")
+        if not 1 <= top_k <= self.num_experts:
+            raise ValueError(f"QuantileBalancer: top_k={top_k} must be in [1, num_experts={self.num_experts}]")
+        self.every_expert = top_k == self.num_experts  # k = E: nothing to balance (class docstring)
         if num_bins < 1:
             raise ValueError(f"QuantileBalancer: num_bins={num_bins} must be >= 1")
         self.exact, self.num_bins = exact, num_bins
@@ -243,6 +247,8 @@ class QuantileBalancer(Balancer):
 
     def observe(self, route: RouterOutput) -> None:
         super().observe(route)
+        if self.every_expert:
+            return None
         r = route.cutoff.detach()[:, None] - route.scores.detach()             # [N, E] required bias
         if self.exact:
             self.margins.append(r)
@@ -265,6 +271,8 @@ class QuantileBalancer(Balancer):
             self.margins = [self.all_gather(torch.cat(self.margins))]
 
     def _move_bias(self) -> None:
+        if self.every_expert:
+            return
         b_hat = self.exact_quantile() if self.exact else self.histogram_quantile()
         if b_hat is None:
             return
