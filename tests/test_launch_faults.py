@@ -298,3 +298,20 @@ def test_launch_reports_the_stopped_rank_end_to_end(tmp_path):
         str(err.value)
     assert time.monotonic() - t0 < 60
     _assert_tree_gone(tmp_path)
+
+
+def test_a_collective_mismatch_is_named_as_such():
+    """What gloo printed when MoonEP's ranks disagreed on the replica all-to-all (issue 37): the launch error names a
+    collective mismatch instead of only the first rank's 'Connection reset by peer'; other failures are left as they are."""
+    from k3lab.parallel.launch import name_collective_mismatch
+
+    lines = ["[rank1]: RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Read error "
+             "[127.0.0.1]:3425: Connection reset by peer\n",
+             "terminate called after throwing an instance of 'gloo::EnforceNotMet'\n",
+             "  what():  [enforce fail at ../third_party/gloo/gloo/transport/tcp/pair.cc:446] op.preamble.length <= "
+             "op.nbytes. Received data size doesn't match expected size\n"]
+    got = name_collective_mismatch("rank 3 failed: Connection reset by peer", lines)
+    assert got.startswith("rank 3 failed: Connection reset by peer — a collective mismatch")
+    assert "Received data size doesn't match expected size" in got
+    assert name_collective_mismatch("rank 1 failed: error: --steps: bad", ["error: --steps: bad\n"]) == \
+        "rank 1 failed: error: --steps: bad"

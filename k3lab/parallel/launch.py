@@ -315,6 +315,26 @@ def _from_output(lines: list[str]) -> tuple[str, int | None]:
     return f"{who} failed: {reason or 'no error message found (see LaunchError.output)'}", rank
 
 
+# What gloo and NCCL print when the ranks of a group entered different collectives, or the same one with other sizes
+# (a collective decision one rank made differently from the others): the rank that failed first is often not the
+# one that diverged, and its own error ("Connection reset by peer") names neither.
+COLLECTIVE_MISMATCH = (
+    "Received data size doesn't match expected size",        # gloo: a peer sent more or fewer bytes than expected
+    "Mismatch between collective operation",                 # NCCL / torch's collective fingerprint check
+    "Detected mismatch between collectives",                 # TORCH_DISTRIBUTED_DEBUG=DETAIL
+)
+
+
+def name_collective_mismatch(message: str, lines: list[str]) -> str:
+    """``message``, followed by a named collective mismatch when any rank's output shows one (COLLECTIVE_MISMATCH)."""
+    for line in lines:
+        for sign in COLLECTIVE_MISMATCH:
+            if sign in line:
+                return (f"{message} — a collective mismatch: the ranks of a group entered different collectives or "
+                        f"the same one with different sizes (a rank's output: {sign!r})")
+    return message
+
+
 def _steps_in(args: list[str]) -> int | None:
     """``--steps N`` (or ``--steps=N``) among the flags, for the bar's length; None when absent or not an
     int (the progress lines carry the total anyway, and the worker's argparse reports a bad flag)."""
@@ -384,7 +404,7 @@ def launch(nproc: int, *args, timeout: float = 600.0, progress: bool = True, env
                               f"last output:\n{tail}", output, reported[1] if reported else None, None)
         if why == "reported" or rc != 0:
             message, rank = _reported(folder) or _from_output(list(run.lines))
-            raise LaunchError(f"launch: {message}", output, rank, rc)
+            raise LaunchError(f"launch: {name_collective_mismatch(message, list(run.lines))}", output, rank, rc)
         if not metrics.exists():
             raise LaunchError("launch: torchrun exited with status 0 but rank 0 wrote no metrics (the worker "
                               "must write --metrics FILE)", output, 0, rc)
