@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import json
 import math
+import dataclasses
 import os
 import sys
 import time
@@ -65,6 +66,12 @@ from k3lab.optim import build_optimizer, set_lr
 from k3lab.precision import MASTER_FORMATS, MOMENT_DTYPES, PARAM_DTYPES, MasterWeightOptimizer, cast_params_
 
 OPTIMIZERS = ("adamw", "muon")
+PROFILES = ("reference", "fast")  # TrainConfig.profile
+# The measured-best settings of a one-GPU step (docs/training.md §1: the `small` preset at 16 x 1024 on one H200,
+# 113.5K tokens/s with all of them; the reference path, fp32 and eager, ran the same shape at 0.25x). On a CPU the
+# reference path is the fastest measured, so there the fast profile changes nothing. resolve_profile applies them.
+FAST_CUDA = dict(dtype="bfloat16", param_dtype="bfloat16", compile="sublayer", fused_loss=True,
+                 moment_dtype="bfloat16", master_format="split", cuda_graph=True)
 MAX_LR = 10.0  # the largest peak lr TrainConfig takes: above it an update overflows fp32 (1e300) or diverges at once
 # (dtype, param_dtype) pairs fit runs: bf16 parameters need bf16 autocast (fp32 inputs would meet bf16 weights)
 PRECISIONS = (("float32", "float32"), ("bfloat16", "float32"), ("bfloat16", "bfloat16"))
@@ -111,10 +118,13 @@ class TrainConfig:
                                               # every batch one shape
     progress: bool = True                     # tqdm progress bar
     name: str = "train"                       # run name: the progress bar's label
+    profile: str = "reference"                # PROFILES: "reference" = the fields as given; "fast" = on CUDA, the
+                                              # measured-best settings (FAST_CUDA) for every field left at its default
 
     # allowed values of the fields that take one of a list (the CLI's choices come from here: k3lab.cli)
     CHOICES = {"optimizer": OPTIMIZERS, "dtype": DTYPES, "param_dtype": PARAM_DTYPES, "moment_dtype": MOMENT_DTYPES,
-               "master_format": MASTER_FORMATS, "compile": COMPILE_MODES, "recompute": RECOMPUTE_MODES}
+               "master_format": MASTER_FORMATS, "compile": COMPILE_MODES, "recompute": RECOMPUTE_MODES,
+               "profile": PROFILES}
 
     def __post_init__(self):
         def need(ok: bool, name: str, rule: str):
@@ -533,6 +543,26 @@ def _resume(run: _Run, resume_from, cfg: TrainConfig, optimizer, masters, batch_
 # ----------------------------------------------------------------------------------------------
 # the loop
 # ----------------------------------------------------------------------------------------------
+def resolve_profile(cfg: TrainConfig, device_type: str, world_size: int = 1) -> tuple[TrainConfig, list[str]]:
+    """``cfg`` with its profile applied, and the ``field=value`` settings the profile made.
+
+    ``"fast"`` on CUDA fills every field of :data:`FAST_CUDA` that ``cfg`` leaves at its default (a field set to
+    another value keeps it; to pin one at its default, use ``"reference"`` and set the others), except what this
+    run cannot take: bf16 moments, split masters and (with bf16 weights) CUDA graphs need AdamW's fused step;
+    ``cuda_graph`` runs at world size 1 only. On a CPU, or with ``"reference"``, ``cfg`` is returned unchanged."""
+    if cfg.profile == "reference" or device_type != "cuda":
+        return cfg, []
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    want = dict(FAST_CUDA)
+    if cfg.optimizer != "adamw":  # these need AdamW's fused master step (CUDA graphs with bf16 weights too)
+        for name in ("moment_dtype", "master_format", "cuda_graph"):
+            want.pop(name)
+    if world_size > 1:
+        want.pop("cuda_graph")
+    chosen = {k: v for k, v in want.items() if getattr(cfg, k) == defaults[k]}
+    return dataclasses.replace(cfg, **chosen), [f"{k}={v!r}" for k, v in chosen.items()]
+
+
 def fit(model, train_batches, cfg: TrainConfig, val_batches=None, resume_from: str | os.PathLike | None = None,
         stop_at: int | None = None, *, parallel=None, on_step=None, data: str | None = None) -> TrainResult:
     """Train for ``cfg.steps`` optimizer steps, in one process or as one rank of a parallel run; see the
@@ -572,6 +602,14 @@ def fit(model, train_batches, cfg: TrainConfig, val_batches=None, resume_from: s
         raise ValueError(f"fit: stop_at={stop_at!r}: must be None or an int >= 1 (steps to run before stopping)")
     iterator = None if callable(train_batches) else iter(train_batches)
     first = _next_batch(train_batches, 0, iterator, "cpu") if callable(train_batches) else None
+    if cfg.profile != "reference":
+        world = torch.distributed.get_world_size() if parallel is not None and torch.distributed.is_initialized() else 1
+        device_type = resolve_device(cfg.device).type
+        cfg, chosen = resolve_profile(cfg, device_type, world)
+        if world == 1 or torch.distributed.get_rank() == 0:
+            print(f"profile {cfg.profile}: " + (", ".join(chosen) if chosen else
+                  f"nothing changed (on {device_type} the reference settings are the fastest measured)"
+                  if device_type != "cuda" else "nothing changed (every field was set)"), flush=True)
     run = _setup(model, cfg, parallel, tuple(first[0].shape) if first is not None else None)
     model, device = run.model, run.device
     optimizer = make_optimizer(model, cfg)

@@ -1,0 +1,53 @@
+"""TrainConfig.profile (issue 37 item 4): one switch for the measured-best settings of the device."""
+import argparse
+import dataclasses
+
+import pytest
+import torch
+
+from k3lab.cli import add_dataclass_flags
+from k3lab.config import ModelConfig
+from k3lab.data import batch_iterator
+from k3lab.model import K3ForCausalLM
+from k3lab.train import FAST_CUDA, PROFILES, TrainConfig, fit, resolve_profile
+
+
+def test_fast_on_cuda_fills_the_defaults_with_the_measured_best():
+    cfg, chosen = resolve_profile(TrainConfig(profile="fast"), "cuda")
+    assert {k: getattr(cfg, k) for k in FAST_CUDA} == FAST_CUDA
+    assert len(chosen) == len(FAST_CUDA) and "cuda_graph=True" in chosen
+
+
+def test_only_fields_left_at_their_defaults_are_filled_and_impossible_settings_are_left_out():
+    cfg, chosen = resolve_profile(TrainConfig(profile="fast", recompute="selective", lr=1e-3), "cuda")
+    assert cfg.recompute == "selective" and cfg.lr == 1e-3 and cfg.dtype == "bfloat16"
+    muon, chosen = resolve_profile(TrainConfig(profile="fast", optimizer="muon"), "cuda")  # no fused AdamW step
+    assert (muon.moment_dtype, muon.master_format, muon.param_dtype, muon.cuda_graph) == \
+        ("float32", "float32", "bfloat16", False)
+    assert not any(c.startswith(("moment_dtype", "master_format")) for c in chosen)
+    sharded, _ = resolve_profile(TrainConfig(profile="fast"), "cuda", world_size=8)  # graphs: world size 1 only
+    assert sharded.cuda_graph is False and sharded.compile == "sublayer"
+
+
+@pytest.mark.parametrize("device", ["cpu"])
+def test_fast_changes_nothing_on_a_cpu_and_says_so(device, capsys):
+    cfg = TrainConfig(profile="fast")
+    assert resolve_profile(cfg, device) == (cfg, [])
+    assert resolve_profile(TrainConfig(), "cuda") == (TrainConfig(), [])  # the reference profile: as given
+    ids = torch.randint(0, 4096, (5000,), generator=torch.Generator().manual_seed(0))
+    result = fit(K3ForCausalLM(ModelConfig.preset("tiny")), batch_iterator(ids, 2, 16),
+                 dataclasses.replace(cfg, steps=2, progress=False, device="cpu"))
+    assert len(result.history) == 2
+    out = capsys.readouterr().out
+    assert "profile fast: nothing changed (on cpu the reference settings are the fastest measured)" in out
+
+
+def test_the_flag_and_its_choices():
+    assert PROFILES == ("reference", "fast") and TrainConfig().profile == "reference"
+    with pytest.raises(ValueError, match="profile='turbo': allowed values are"):
+        TrainConfig(profile="turbo")
+    parser = argparse.ArgumentParser()
+    add_dataclass_flags(parser, TrainConfig)
+    assert parser.parse_args(["--profile", "fast"]).profile == "fast"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--profile", "turbo"])
