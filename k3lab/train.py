@@ -67,8 +67,8 @@ from k3lab.precision import MASTER_FORMATS, MOMENT_DTYPES, PARAM_DTYPES, MasterW
 
 OPTIMIZERS = ("adamw", "muon")
 PROFILES = ("reference", "fast")  # TrainConfig.profile
-# The measured-best settings of a one-GPU step (docs/training.md §1: the `small` preset at 16 x 1024 on one H200,
-# 113.5K tokens/s with all of them; the reference path, fp32 and eager, ran the same shape at 0.25x). On a CPU the
+# The measured-best settings of a one-GPU step (docs/training.md, "What to pick": the `small` preset at 16 x 1024 on
+# one H200, 113.5K tokens/s with all of them; the reference path, fp32 and eager, ran the same shape at 0.25x). On a CPU the
 # reference path is the fastest measured, so there the fast profile changes nothing. resolve_profile applies them.
 FAST_CUDA = dict(dtype="bfloat16", param_dtype="bfloat16", compile="sublayer", fused_loss=True,
                  moment_dtype="bfloat16", master_format="split", cuda_graph=True)
