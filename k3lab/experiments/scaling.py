@@ -52,6 +52,7 @@ VARIANTS: dict[str, dict] = {
     "kda7:1": dict(kda_per_mla=7, residual="prenorm"),
     "hybrid+attnres": dict(kda_per_mla=3, residual="attnres"),  # K3: the hybrid on Block AttnRes (AR-3 vs "hybrid")
     "mla+attnres": dict(kda_per_mla=0, residual="attnres"),     # the CPU scale's AR-3 (no KDA: the reference is slow)
+    "mla+rope": dict(kda_per_mla=0, residual="prenorm", rope=True),  # SCALE-3's control: all-MLA with RoPE (K3: NoPE)
 }
 HEAD_DIM = 64            # KDA and MLA head width at D >= 64
 ATTN_RES_BLOCK = 2       # decoder layers per AttnRes block
@@ -87,7 +88,7 @@ def family_config(variant: str, width: int, depth: int, vocab_size: int, seq_len
         num_attention_heads=heads, num_key_value_heads=heads, q_lora_rank=3 * width // 4, kv_lora_rank=width // 2,
         qk_nope_head_dim=head, qk_rope_head_dim=head // 2, v_head_dim=head, mlp_kind="dense", intermediate_size=inter,
         residual=spec["residual"], attn_res_block_size=ATTN_RES_BLOCK, num_nextn_predict_layers=0,
-        max_position_embeddings=max(seq_len, 64))
+        max_position_embeddings=max(seq_len, 64), mla_use_nope=not spec.get("rope", False))
 
 
 def params_of(cfg: ModelConfig) -> dict:

@@ -45,6 +45,9 @@ def main(argv=None) -> int:
     ap.add_argument("--grace", type=float, default=90.0, help="seconds past the budget before the notebook is killed")
     ap.add_argument("--resume", type=Path, default=None, metavar="DIR", help="start from DIR/15_<exp>.runs.jsonl")
     ap.add_argument("--commit", default=os.environ.get("K3LAB_COMMIT"), help="commit of this copy, for the record")
+    ap.add_argument("--variants", default=None, help="a JSON list: the notebook's variants (first = baseline)")
+    ap.add_argument("--tag", default="", help="suffix of the file names: 15_<exp><tag>.ipynb / .runs.jsonl")
+    ap.add_argument("--lr-sweep", default=None, help="a JSON list: the notebook's lr_sweep (multipliers of lr0)")
     ap.add_argument("--smoke", action="store_true", help="scale 'smoke': tiny sizes, runs on a CPU")
     args = ap.parse_args(argv)
     t0 = time.monotonic()
@@ -54,12 +57,15 @@ def main(argv=None) -> int:
     if args.commit:
         info["commit"] = args.commit
     print("  ".join(f"{k}={v}" for k, v in info.items()), flush=True)
-    name = stem(args.experiment)
+    name = stem(args.experiment) + args.tag
     runs = (args.out / f"{name}.runs.jsonl").resolve()
     if args.resume is not None and (args.resume / runs.name).is_file():
         runs.write_text((args.resume / runs.name).read_text())
     params = dict(scale="smoke" if args.smoke else "gpu", experiment=args.experiment, seeds=json.loads(args.seeds),
                   runs_file=str(runs), budget_s=float(round(args.budget)))
+    for key, value in (("variants", args.variants), ("lr_sweep", args.lr_sweep)):
+        if value is not None:
+            params[key] = json.loads(value)
     out = (args.out / f"{name}.ipynb").resolve()
     cmd = [sys.executable, "-m", "papermill", f"{NOTEBOOK}.ipynb", str(out), "-k", "python3", "--no-progress-bar",
            "--log-output", "-y", json.dumps(params)]  # YAML (JSON) keeps the seeds a list
