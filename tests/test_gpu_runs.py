@@ -206,3 +206,27 @@ def test_best_lr_keeps_the_run_with_the_highest_mean_recall():
     assert best["accuracy"] == alone[best["lr"]]["accuracy"]
     with pytest.raises(ValueError, match="lrs"):
         train_mqar_best_lr("kda", (1,), [], **kw)
+
+
+@pytest.mark.parametrize("name,baseline", [("15_scale3", "mla"), ("15_scale3rope", "mla+rope")])
+def test_scaling_verdicts_are_recomputed_from_the_committed_runs(name, baseline):
+    """SCALE-3's ledger row re-read from its runs: the multiplier and interval fitted again from the committed runs
+    file (the notebook's fit, bootstrap seed and draws) equal what the executed GPU notebook printed, and the ledger row
+    and notebook 15's text quote that number."""
+    from k3lab.experiments.scaling import fit_runs
+    from k3lab.experiments.scaling_fit import PFLOPS_DAY, compute_multiplier, verdict
+
+    folder = ROOT / "notebooks" / "gpu_runs"
+    records = [json.loads(line) for line in (folder / f"{name}.runs.jsonl").read_text().splitlines()]
+    data = {}
+    for v in (baseline, "hybrid"):
+        data[v] = [dict(r, compute=r["compute"] / PFLOPS_DAY) for r in fit_runs(records, v)]
+        assert sorted({(r["size"], r["seed"]) for r in data[v]}) == [(w, s) for w in (64, 96, 128, 192)
+                                                                    for s in (0, 1, 2)]
+    M = compute_multiplier(data[baseline], data["hybrid"], n_boot=1000, seed=2)
+    line = f"VERDICT SCALE-3: {verdict(M, 1.16)} — {M.summary()} (paper 1.16x), 3 seeds x 4 widths"
+    assert line in (folder / f"{name}.ipynb").read_text(), line
+    quoted = M.summary().split(" at ")[0]  # e.g. "1.82× [1.46, 2.25]"
+    assert quoted in (ROOT / "docs" / "claims.md").read_text()
+    assert quoted in (ROOT / "notebooks" / "15_scaling_laws.ipynb").read_text()
+    assert quoted in (ROOT / "docs" / "scaling_laws.md").read_text()

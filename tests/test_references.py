@@ -54,7 +54,7 @@ ANCHOR_SECTION_RE = re.compile(r'<a id="s(\d+(?:\.\d+)*)"></a>')
 CLAIM_PREFIXES = "KDA|HYB|NOPE|GMLA|AR|LMOE|SITU|QB|MEP|KCP|MUON|SCALE|LC|MTP|QAT|PC|INF"
 CLAIM_ID_RE = re.compile(rf"\b(?:{CLAIM_PREFIXES})-\d+\b")
 CLAIM_ROW_RE = re.compile(rf"^\|\s*((?:{CLAIM_PREFIXES})-\d+)\s*\|(.*)\|\s*$", re.MULTILINE)
-STATUSES = ("confirmed", "not reproduced at this scale", "contradicted", "not yet tested")
+STATUSES = ("confirmed", "same direction", "not reproduced at this scale", "contradicted", "not yet tested")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -301,7 +301,7 @@ def test_scanner_catches_each_kind():
     ledger = ("# ledger\n| ID | claim | status |\n|---|---|---|\n| KDA-2 | x | **confirmed** |\n"
               "| AR-5 | y | **not yet tested** |\n| QB-1 | z | **confirmed** (setup) |\n"
               '<a id="s13"></a>\n## §13 Summary\n(3 claims)\n| status | claims |\n|---|---|\n'
-              "| confirmed | 2 (1 of them setup) |\n| not reproduced at this scale | 0 |\n| contradicted | 0 |\n"
+              "| confirmed | 2 (1 of them setup) |\n| not reproduced at this scale | 0 |\n| contradicted | 0 |\n| same direction | 0 |\n"
               '| not yet tested | 1 |\n<a id="s14"></a>\n')
     notebook = json.dumps({"cells": [
         {"cell_type": "markdown", "source": ["See K3_SPEC.md §2.2 and `kernels/GONE.md`.\n"],

@@ -30,6 +30,10 @@ def test_family_shape_rule():
     assert family_config("kda1:1", 64, 8, V, 512).full_attn_layers == [2, 4, 6, 8]
     assert family_config("hybrid+attnres", 64, 8, V, 512).residual == "attnres"
     assert family_config("hybrid", 64, 8, V, 512).residual == "prenorm"
+    # SCALE-3's control: all-MLA with RoPE on the rope part; every other variant NoPE (K3)
+    assert family_config("mla+rope", 64, 8, V, 512).mla_use_nope is False
+    assert family_config("mla+rope", 64, 8, V, 512).full_attn_layers == list(range(1, 9))
+    assert all(family_config(v, 64, 8, V, 512).mla_use_nope for v in ("mla", "hybrid", "kda1:1", "kda7:1"))
     with pytest.raises(ValueError, match="variant 'gqa'"):
         family_config("gqa", 64, 8, V, 512)
     with pytest.raises(ValueError, match="width=20"):
@@ -168,16 +172,30 @@ def test_smoke_scale_runs_the_whole_pipeline(tmp_path):
     smoke = SCALES["15"]["smoke"]
     assert len([r for r in records if r["kind"] == "grid"]) == 2 * len(smoke["widths"]) * 3  # 3 seeds
     assert {r["variant"] for r in records} == {"mla", "hybrid"}
-    # Try-this #2: the same call again on the same runs file trains nothing and reuses every run
-    again = tmp_path / "15-again.ipynb"
-    papermill.execute_notebook(str(ROOT / "notebooks" / "15_scaling_laws.ipynb"), str(again),
-                               cwd=str(ROOT / "notebooks"),
-                               parameters=dict(scale="smoke", experiment="SCALE-3", runs_file=str(runs_file),
-                                               n_boot=200),
-                               progress_bar=False, kernel_name="python3")
+    # Try-this #2: the same call again on the same runs file trains nothing and reuses every run — here through
+    # notebooks/gpu_runs/run_scaling.py, the GPU calls' wrapper: --resume copies the runs file, a record cell goes first
+    run_scaling = _load_script("run_scaling")
+    resume = tmp_path / "resume"
+    resume.mkdir()
+    (resume / "15_scale3.runs.jsonl").write_text(runs_file.read_text())
+    assert run_scaling.main(["--experiment", "SCALE-3", "--smoke", "--out", str(tmp_path / "again"), "--resume",
+                             str(resume), "--commit", "abc1234", "--budget", "600"]) == 0
+    again = json.loads((tmp_path / "again" / "15_scale3.ipynb").read_text())
+    first = "".join(again["cells"][0]["source"])
+    assert "run_scaling.py" in first and "| commit | abc1234 |" in first and "experiment='SCALE-3'" in first
     grid = len(records) - len(smoke["lr_sweep"])
-    assert f"0 runs trained, {grid} reused from the runs file" in again.read_text()
-    assert len(runs_file.read_text().splitlines()) == len(records)
+    text = json.dumps(again)
+    assert f"0 runs trained, {grid} reused from the runs file" in text and "VERDICT SCALE-3:" in text
+    assert len((tmp_path / "again" / "15_scale3.runs.jsonl").read_text().splitlines()) == len(records)
+
+
+def _load_script(name: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, ROOT / "notebooks" / "gpu_runs" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_try_this_fewer_tokens_per_param():

@@ -120,13 +120,13 @@ def verdicts_of(path: Path) -> list[str]:
 
 
 def add_record_cell(path: Path, info: dict, params: dict, status: str, seconds: float, command: str,
-                    sizes: dict | None = None) -> None:
+                    sizes: dict | None = None, by: str = "run_claims.py") -> None:
     """Put a markdown cell first in the executed notebook: when, where, with what (the scale's sizes too), how it
     went."""
     if not path.is_file():
         return
     nb = json.loads(path.read_text())
-    lines = ["**GPU run record** (added by `notebooks/gpu_runs/run_claims.py`)", "",
+    lines = [f"**GPU run record** (added by `notebooks/gpu_runs/{by}`)", "",
              "| | |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in info.items()]
     lines += [f"| parameters | {', '.join(f'`{k}={v!r}`' for k, v in params.items())} |"]

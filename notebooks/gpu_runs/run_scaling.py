@@ -47,6 +47,7 @@ def main(argv=None) -> int:
     ap.add_argument("--commit", default=os.environ.get("K3LAB_COMMIT"), help="commit of this copy, for the record")
     ap.add_argument("--variants", default=None, help="a JSON list: the notebook's variants (first = baseline)")
     ap.add_argument("--tag", default="", help="suffix of the file names: 15_<exp><tag>.ipynb / .runs.jsonl")
+    ap.add_argument("--widths", default=None, help="a JSON list: the notebook's widths")
     ap.add_argument("--lr-sweep", default=None, help="a JSON list: the notebook's lr_sweep (multipliers of lr0)")
     ap.add_argument("--smoke", action="store_true", help="scale 'smoke': tiny sizes, runs on a CPU")
     args = ap.parse_args(argv)
@@ -63,7 +64,7 @@ def main(argv=None) -> int:
         runs.write_text((args.resume / runs.name).read_text())
     params = dict(scale="smoke" if args.smoke else "gpu", experiment=args.experiment, seeds=json.loads(args.seeds),
                   runs_file=str(runs), budget_s=float(round(args.budget)))
-    for key, value in (("variants", args.variants), ("lr_sweep", args.lr_sweep)):
+    for key, value in (("variants", args.variants), ("widths", args.widths), ("lr_sweep", args.lr_sweep)):
         if value is not None:
             params[key] = json.loads(value)
     out = (args.out / f"{name}.ipynb").resolve()
@@ -86,7 +87,8 @@ def main(argv=None) -> int:
                 proc.wait()
             status = "cut at its hard limit (partial notebook and runs file kept)"
     seconds = time.monotonic() - t0
-    add_record_cell(out, info, params, status, seconds, "papermill " + " ".join(cmd[3:-1]) + f" -y '{cmd[-1]}'")
+    add_record_cell(out, info, params, status, seconds, "papermill " + " ".join(cmd[3:-2]) + f" -y '{cmd[-1]}'",
+                    by="run_scaling.py")
     normalize(out)
     n_runs = len(runs.read_text().splitlines()) if runs.is_file() else 0
     print(f"{name}: {status} in {seconds:.0f} s; {n_runs} runs logged", flush=True)
