@@ -169,3 +169,45 @@ def test_every_course_notebook_accepts_the_course_default_device():
             allowed = DEVICES if call.strip() == "DEVICES" else eval(call, {"DEVICES": DEVICES})  # noqa: S307
             assert "auto" in allowed, f"{path.name}: device choices {allowed} lack the course's 'auto'"
     assert checked >= 1
+
+
+def _git(cwd, *args):
+    import subprocess
+
+    subprocess.run(["git", "-c", "user.name=k3lab test", "-c", "user.email=test@example.invalid",
+                    "-c", "commit.gpgsign=false", *args], cwd=cwd, check=True, capture_output=True)
+
+
+def test_course_names_edited_notebooks_and_how_to_reset(course, tmp_path, capsys, monkeypatch):
+    """Inside a git checkout, ``course --list`` (and ``course``) print one line naming the notebooks that differ from
+    the last commit and the ``git checkout`` that resets them; a new notebook is not an edit; outside a checkout, no
+    line."""
+    import shutil
+
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("GIT_DIR", raising=False)
+    monkeypatch.delenv("GIT_WORK_TREE", raising=False)
+    assert main(["course", "--notebooks", str(course), "--list"]) == 0
+    assert "edited" not in capsys.readouterr().out  # tmp_path is no checkout: nothing to say
+
+    _git(tmp_path, "init", "-q")
+    _git(tmp_path, "add", "notebooks")
+    _git(tmp_path, "commit", "-q", "-m", "course")
+    assert main(["course", "--notebooks", str(course), "--list"]) == 0
+    assert "edited" not in capsys.readouterr().out  # clean checkout: nothing to say
+
+    write_notebook(course / "01_steps.ipynb", 'preset = "tiny"\nsteps = 99', 'print("tried this")')  # a Try-this edit
+    write_notebook(course / "05_mine.ipynb", 'preset = "tiny"', 'print(1)')  # the learner's own, untracked
+    assert main(["course", "--notebooks", str(course), "--list"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    notes = [line for line in out if "edited" in line]
+    edited = "notebooks/{}".format("01_steps.ipynb")  # relative to the working directory (tmp_path)
+    assert notes == [out[0]] and edited in notes[0], out
+    assert f"git checkout -- {edited}" in notes[0] and "05_mine" not in notes[0] and "00_echo" not in notes[0]
+    assert "01_steps.ipynb: preset='tiny', steps=99" in out  # the listing shows the edited defaults
+
+    results = run_course(course, tmp_path / "runs", only="00")  # the course run says it too, before running
+    assert results[0].status == "ok"
+    assert f"note: edited since the last commit (run as edited): {edited}" in capsys.readouterr().out

@@ -41,3 +41,25 @@ def test_normalizer_is_idempotent_and_merges_streams():
     saved = json.loads(once)
     assert saved["nbformat_minor"] == 5 and "id" in saved["cells"][0]
     assert [o["text"] for o in saved["cells"][0]["outputs"]] == [["bar: 100%|##| 2/2\n"], ["a\n", "b\n"]]
+
+
+def test_normalizer_writes_ipykernels_kernelspec_and_javascripts_numbers():
+    """What Lab changes once the kernel starts and the browser has held the JSON: ipykernel's display name, and
+    integral floats without their ``.0`` (the learner's ``budget_s 195.0 → 195``); other numbers stay."""
+    import json
+
+    nb = {"cells": [], "nbformat": 4, "nbformat_minor": 5,
+          "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"},
+                       "papermill": {"parameters": {"budget_s": 195.0, "lr": 3e-4, "big": 1e21, "steps": 10}}}}
+    saved = json.loads(normalize_notebooks.normalized(json.dumps(nb)))
+    assert saved["metadata"]["kernelspec"] == normalize_notebooks.KERNELSPEC
+    params = saved["metadata"]["papermill"]["parameters"]
+    assert params == {"budget_s": 195, "lr": 3e-4, "big": 1e21, "steps": 10}
+    assert type(params["budget_s"]) is int and type(params["big"]) is float
+
+
+def test_kernelspec_is_ipykernels():
+    kernelspec = pytest.importorskip("ipykernel.kernelspec")
+    spec = kernelspec.get_kernel_dict()
+    assert {k: spec[k] for k in ("display_name", "language")} == {
+        k: normalize_notebooks.KERNELSPEC[k] for k in ("display_name", "language")}

@@ -14,9 +14,20 @@ What Lab changes in a notebook it opens, and so what this tool does to the saved
   differs from the file, so the notebook comes up changed. This tool merges the same way (JupyterLab 4's
   ``OutputAreaModel._add`` / ``Private.processText``).
 
+* **The kernelspec.** When the kernel starts, Lab writes the kernel's spec into ``metadata.kernelspec``; for
+  ``python3`` that is ipykernel's ``{"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}``
+  (:data:`KERNELSPEC`). A notebook that says ``"Python 3"`` (papermill copies what it was given) opens modified.
+* **Numbers.** Lab holds the notebook as JavaScript values and sends them back as JSON: a float with an integral
+  value loses its ``.0`` (``"budget_s": 195.0`` is saved as ``195``, widget state ``1.0`` as ``1``). This tool
+  writes such floats as ints (below 1e21, where JavaScript stops writing integers in full).
+
 Not normalised (Lab never rewrites them on open): execution counts, cell and notebook metadata other than the
 above (papermill's timings are kept), output data. What Lab may still change once a kernel starts is
-``metadata.language_info`` (the kernel's Python version): that depends on the reader's machine.
+``metadata.language_info`` (the kernel's Python version): that depends on the reader's machine (the records under
+notebooks/gpu_runs/ keep the Python they ran on; ``jupyter_server_config.py`` keeps Lab from saving them).
+
+These were found by opening every notebook in JupyterLab 4.6 in a browser and saving it (2026-12-06);
+``tests/test_notebooks_open_clean.py`` does the server's half (GET and PUT through a real ``jupyter server``).
 
 Usage (from the repository root)::
 
@@ -42,6 +53,9 @@ ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK_DIRS = (ROOT / "notebooks", ROOT / "notebooks" / "gpu_runs")
 _CONTROL = re.compile(r"[\n\b\r]")
 _CELL_ID = re.compile(r"[a-zA-Z0-9-_]{1,64}")  # nbformat 4.5's cell id schema
+# What JupyterLab writes into metadata.kernelspec once ipykernel's python3 kernel starts (ipykernel >= 6:
+# ``ipykernel.kernelspec.get_kernel_dict()``; tests/test_notebooks_normalized.py checks it against the installed one)
+KERNELSPEC = {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}
 
 
 def default_notebooks() -> list[Path]:
@@ -105,13 +119,27 @@ def merge_streams(outputs: list) -> list:
     return merged
 
 
+def js_numbers(value):
+    """``value`` as it comes back from a JSON round trip through JavaScript: integral floats become ints (JavaScript
+    has one number type and ``JSON.stringify(195.0)`` is ``"195"``); everything else is returned as it is."""
+    if isinstance(value, float):
+        return int(value) if value.is_integer() and abs(value) < 1e21 else value
+    if isinstance(value, dict):
+        return {k: js_numbers(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [js_numbers(v) for v in value]
+    return value
+
+
 def normalized(text: str) -> str:
     """The bytes (as str) JupyterLab would save for the notebook whose file content is ``text``."""
     nb = nbformat.reads(text, as_version=nbformat.NO_CONVERT)
     if nb.nbformat == 4 and nb.nbformat_minor < 5:
         nb = nbformat.v4.upgrade(nb, from_version=nb.nbformat, from_minor=nb.nbformat_minor)
     _, nb = _nbformat_normalize(nb, version=4, version_minor=5)
-    nb = nbformat.from_dict(nb)
+    nb = nbformat.from_dict(js_numbers(nb))
+    if nb.metadata.get("kernelspec", {}).get("name") == KERNELSPEC["name"]:
+        nb.metadata.kernelspec = dict(nb.metadata.kernelspec, **KERNELSPEC)
     seen = set()
     for cell in nb.cells:
         if not isinstance(cell.get("id"), str) or not _CELL_ID.fullmatch(cell["id"]) or cell["id"] in seen:

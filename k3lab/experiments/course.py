@@ -13,6 +13,10 @@ notebooks folder) into the output folder under the same name. The runner
 * keeps going past a failing notebook, prints a table (notebook, status, seconds, headline) and writes
   it to ``summary.md`` in the output folder; the exit status is 1 if any notebook failed.
 
+In a git checkout, ``course`` and ``course --list`` first print one line naming the notebooks that differ from the
+last commit (``git status --porcelain``: a Try-this edit, an autosave) and the ``git checkout`` that resets them;
+edited notebooks run as they are. Outside a checkout (or without git) nothing is printed.
+
 The headline of a notebook is the last stdout line starting with ``HEADLINE: `` (printed by
 ``k3lab.experiments.nb.headline``). Papermill starts the Jupyter kernel named ``python3`` (``--kernel`` picks
 another). If that kernel is missing, or belongs to a different Python than the one running the
@@ -25,6 +29,7 @@ import contextlib
 import os
 import re
 import shutil
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -227,6 +232,50 @@ def _kernel_environment():
                 os.environ[name] = value
 
 
+def edited_notebooks(notebooks_dir: Path) -> list[Path]:
+    """Notebooks under ``notebooks_dir`` (records in subfolders too) that differ from the last commit: modified,
+    deleted or staged, as ``git status --porcelain`` lists them (a new notebook, untracked or added, is not an edit). Empty
+    outside a git checkout or when git is missing."""
+    folder = Path(notebooks_dir).resolve()
+    try:
+        top = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=folder, capture_output=True, text=True,
+                             timeout=30)
+        if top.returncode != 0:
+            return []
+        status = subprocess.run(["git", "status", "--porcelain", "-z", "--", "."], cwd=folder, capture_output=True,
+                                text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    if status.returncode != 0:
+        return []
+    root, found = Path(top.stdout.strip()), []
+    entries = iter(status.stdout.split("\0"))
+    for entry in entries:
+        code, name = entry[:2], entry[3:]
+        if "R" in code or "C" in code:
+            next(entries, None)  # a rename or copy: the next entry is the old name
+        if not name or code in ("??", "!!") or code[0] == "A" or not name.endswith(".ipynb"):  # "A": new, staged
+            continue
+        found.append(root / name)
+    return sorted(found)
+
+
+def edited_note(notebooks_dir: Path) -> str:
+    """One line naming the edited notebooks and the command that resets them (paths relative to the working
+    directory), or '' when none is edited."""
+    edited = edited_notebooks(notebooks_dir)
+    if not edited:
+        return ""
+    shown = []
+    for path in edited:
+        try:
+            shown.append(os.path.relpath(path))
+        except ValueError:  # another drive (Windows)
+            shown.append(str(path))
+    return (f"note: edited since the last commit (run as edited): {', '.join(shown)}; "
+            f"to reset: git checkout -- {' '.join(shown)}")
+
+
 def run_notebook(path: Path, out_dir: Path, parameters: dict, kernel_name: str) -> NotebookResult:
     """Execute one notebook into ``out_dir`` with papermill; never raises for a notebook error."""
     import papermill
@@ -284,6 +333,9 @@ def run_course(
     plan = plan_parameters(paths, preset, device, params or {})
     check_kernel(kernel_name)
     out_dir.mkdir(parents=True, exist_ok=True)
+    note = edited_note(notebooks_dir)
+    if note:
+        print(note, flush=True)
 
     results = []
     for i, path in enumerate(paths, 1):
@@ -327,8 +379,12 @@ def add_course_parser(subparsers) -> None:
 
 
 def list_notebooks(notebooks_dir: Path, only: str | None) -> None:
-    """Print each selected notebook with its parameters and defaults."""
-    for path in select_notebooks(find_notebooks(notebooks_dir), only):
+    """Print each selected notebook with its parameters and defaults (after the edited-notebooks line, if any)."""
+    paths = select_notebooks(find_notebooks(notebooks_dir), only)
+    note = edited_note(notebooks_dir)
+    if note:
+        print(note)
+    for path in paths:
         params = ", ".join(f"{k}={v!r}" for k, v in notebook_parameters(path).items())
         print(f"{path.name}: {params or '(no parameters cell)'}")
 

@@ -119,6 +119,12 @@ def verdicts_of(path: Path) -> list[str]:
     return found
 
 
+READ_ONLY_NOTE = ("*A read-only record: JupyterLab started as the README says (`jupyter lab "
+                  "--config=jupyter_server_config.py notebooks/`) opens it read-only and never saves it. To run it, "
+                  "save a copy outside `notebooks/gpu_runs/` (File > Save Notebook As…); to rerun it on a GPU, use "
+                  "the command below.*")
+
+
 def add_record_cell(path: Path, info: dict, params: dict, status: str, seconds: float, command: str,
                     sizes: dict | None = None, by: str = "run_claims.py") -> None:
     """Put a markdown cell first in the executed notebook: when, where, with what (the scale's sizes too), how it
@@ -126,7 +132,7 @@ def add_record_cell(path: Path, info: dict, params: dict, status: str, seconds: 
     if not path.is_file():
         return
     nb = json.loads(path.read_text())
-    lines = [f"**GPU run record** (added by `notebooks/gpu_runs/{by}`)", "",
+    lines = [f"**GPU run record** (added by `notebooks/gpu_runs/{by}`)", "", READ_ONLY_NOTE, "",
              "| | |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in info.items()]
     lines += [f"| parameters | {', '.join(f'`{k}={v!r}`' for k, v in params.items())} |"]
