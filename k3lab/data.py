@@ -16,6 +16,8 @@ Nothing here ever downloads. The pieces:
   resumable random windows ``(x, y)`` with pre-aligned labels ``y[t] = x[t+1]``.
 * :func:`mqar` — multi-query associative recall in the zoology convention.
 * :func:`passkey` — needle-in-a-haystack retrieval with a controllable length and needle depth.
+* :func:`palindrome`, :func:`stacks` — Kimi Linear §5.1's other two synthetic tasks: reverse a sequence, and
+  answer pops from many independent LIFO stacks.
 """
 from __future__ import annotations
 
@@ -449,6 +451,89 @@ def mqar(vocab_size: int, num_examples: int, seq_len: int, num_kv_pairs: int, se
         filler = torch.randint(vocab_size, (N, T), generator=g)
         inputs = torch.where(inputs == 0, filler, inputs)
     return inputs, labels
+
+
+def palindrome(vocab_size: int, num_examples: int, seq_len: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reverse a random sequence (Kimi Linear §5.1's palindrome task). Returns ``(inputs, labels)``, LongTensors
+    [N, T] with ``N = num_examples``, ``T = seq_len`` (even, >= 4).
+
+    A row holds ``n = T / 2`` random tokens ``x_1 … x_n`` from ``[1, vocab_size)``, the separator 0, then the
+    reversal ``x_n … x_2`` (teacher forcing: the model reads back what it has produced so far). **Labels are
+    pre-aligned** (``labels[t]`` is the token that should come at ``t + 1``): ``x_n`` at the separator, then
+    ``x_{n-1} … x_1``; ``-100`` on the first half. Every answer needs the whole first half held in order, so a
+    fixed-size state must keep ``n`` ordered tokens. A worked row, ``palindrome(10, 1, 8, seed=0)``::
+
+        position  0  1  2  3 | 4 |  5  6  7
+        inputs    x1 x2 x3 x4| 0 | x4 x3 x2
+        labels    .  .  .  . | x4| x3 x2 x1        (. = -100)
+    """
+    if num_examples < 1:
+        raise ValueError(f"palindrome: num_examples={num_examples} must be >= 1")
+    if seq_len < 4 or seq_len % 2:
+        raise ValueError(f"palindrome: seq_len={seq_len} must be even and >= 4 (n tokens, separator, n - 1 back)")
+    if vocab_size < 3:
+        raise ValueError(f"palindrome: vocab_size={vocab_size} must be >= 3 (the separator 0 and 2 tokens)")
+    g = torch.Generator().manual_seed(seed)
+    N, n = num_examples, seq_len // 2
+    x = torch.randint(1, vocab_size, (N, n), generator=g)                       # [N, n]
+    back = x.flip(1)                                                            # x_n … x_1
+    inputs = torch.cat([x, torch.zeros(N, 1, dtype=torch.long), back[:, :-1]], dim=1)   # [N, T]
+    labels = torch.full((N, seq_len), IGNORE_INDEX, dtype=torch.long)
+    labels[:, n:] = back
+    return inputs, labels
+
+
+def stacks(vocab_size: int, num_examples: int, seq_len: int, num_stacks: int = 64, max_depth: int = 16,
+           push_prob: float = 0.5, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Many independent LIFO stacks (Kimi Linear §5.1's stack task: 64 stacks). Returns ``(inputs, labels)``,
+    LongTensors [N, T] with ``N = num_examples``, ``T = seq_len`` (even).
+
+    Vocabulary: ``push_s = 1 + s`` and ``pop_s = 1 + S + s`` for stacks ``s < S = num_stacks``, values
+    ``[1 + 2S, vocab_size)``. A row is ``T / 2`` operations of two tokens: ``push_s v`` puts ``v`` on stack ``s``;
+    ``pop_s v`` takes the top ``v`` off stack ``s`` — the model must produce ``v``, so **the label at ``pop_s`` is
+    ``v``** (pre-aligned), ``-100`` everywhere else. Each operation is a push with probability ``push_prob`` (to a
+    uniformly drawn stack that holds fewer than ``max_depth`` values), else a pop (from a uniformly drawn non-empty
+    stack); with every stack empty it pushes, with every stack full it pops. A worked row with 2 stacks (push_0 = 1,
+    push_1 = 2, pop_0 = 3, pop_1 = 4, values 5…)::
+
+        inputs   1  7 | 2  5 | 1  9 | 3  9 | 4  5 | 3  7
+        labels   .  . | .  . | .  . | 9  . | 5  . | 7  .      (. = -100)
+
+    Answering a pop needs, per stack, the order of what is still on it: ``S`` stacks of up to ``max_depth``
+    values kept apart in one state.
+    """
+    S = num_stacks
+    if num_examples < 1 or S < 1 or max_depth < 1:
+        raise ValueError(f"stacks: num_examples={num_examples}, num_stacks={S} and max_depth={max_depth} must be >= 1")
+    if seq_len < 4 or seq_len % 2:
+        raise ValueError(f"stacks: seq_len={seq_len} must be even and >= 4 (operations of two tokens)")
+    if vocab_size < 2 * S + 3:
+        raise ValueError(f"stacks: vocab_size={vocab_size} must be >= 2·num_stacks + 3 = {2 * S + 3} "
+                         "(push and pop tokens per stack, at least 2 values)")
+    if not 0.0 < push_prob < 1.0:
+        raise ValueError(f"stacks: push_prob={push_prob!r} must be in (0, 1)")
+    rng = np.random.default_rng(seed)
+    N, ops = num_examples, seq_len // 2
+    held = np.zeros((N, S, max_depth), dtype=np.int64)      # [N, S, D] the values on each stack
+    depth = np.zeros((N, S), dtype=np.int64)                 # [N, S]
+    inputs = np.zeros((N, seq_len), dtype=np.int64)
+    labels = np.full((N, seq_len), IGNORE_INDEX, dtype=np.int64)
+    rows = np.arange(N)
+    for t in range(ops):
+        can_push, can_pop = depth < max_depth, depth > 0                           # [N, S]
+        push = rng.random(N) < push_prob
+        push = np.where(~can_pop.any(1), True, np.where(~can_push.any(1), False, push))      # [N]
+        allowed = np.where(push[:, None], can_push, can_pop)
+        s = np.argmax(np.where(allowed, rng.random((N, S)), -1.0), axis=1)         # a uniform allowed stack
+        value = rng.integers(1 + 2 * S, vocab_size, size=N)
+        top = held[rows, s, np.maximum(depth[rows, s] - 1, 0)]
+        held[rows, s, np.minimum(depth[rows, s], max_depth - 1)] = np.where(push, value, held[rows, s, np.minimum(
+            depth[rows, s], max_depth - 1)])
+        depth[rows, s] += np.where(push, 1, -1)
+        inputs[:, 2 * t] = np.where(push, 1 + s, 1 + S + s)
+        inputs[:, 2 * t + 1] = np.where(push, value, top)
+        labels[:, 2 * t] = np.where(push, IGNORE_INDEX, top)
+    return torch.from_numpy(inputs), torch.from_numpy(labels)
 
 
 PASSKEY_FILLERS = ("corpus", "random")

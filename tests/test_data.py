@@ -13,6 +13,8 @@ from k3lab.data import (
     get_tokenizer,
     load_corpus,
     mqar,
+    palindrome,
+    stacks,
     passkey,
 )
 
@@ -181,3 +183,45 @@ def test_mqar_docstring_worked_row_is_real():
     queried = {t: table["inputs"][t] for t, v in enumerate(table["labels"]) if v != IGNORE_INDEX}
     assert sorted(queried.values()) == sorted(pairs)  # every key queried once
     assert all(table["labels"][t] == pairs[key] for t, key in queried.items())
+
+
+def test_palindrome_labels_are_the_reversal():
+    x, y = palindrome(50, 16, 12, seed=3)
+    assert x.shape == y.shape == (16, 12)
+    n = 6
+    for row, lab in zip(x.tolist(), y.tolist()):
+        first = row[:n]
+        assert row[n] == 0 and all(1 <= t < 50 for t in first)
+        assert lab[:n] == [-100] * n and lab[n:] == first[::-1]          # x_n ... x_1 from the separator on
+        assert row[n + 1:] == first[::-1][:-1]                           # teacher forcing: the reversal so far
+    assert torch.equal(palindrome(50, 16, 12, seed=3)[0], x) and not torch.equal(palindrome(50, 16, 12, seed=4)[0], x)
+    for bad in (dict(seq_len=7), dict(seq_len=2), dict(vocab_size=2), dict(num_examples=0)):
+        kw = dict(vocab_size=50, num_examples=4, seq_len=8) | bad
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            palindrome(**kw)
+
+
+def test_stacks_labels_follow_a_plain_list_simulation():
+    """Every label re-derived by replaying the row's operations on Python lists (an independent reference)."""
+    S, D, V = 5, 3, 40
+    x, y = stacks(V, 64, 60, num_stacks=S, max_depth=D, seed=1)
+    pops = 0
+    for row, lab in zip(x.tolist(), y.tolist()):
+        held = [[] for _ in range(S)]
+        for t in range(0, 60, 2):
+            op, v = row[t], row[t + 1]
+            assert 1 + 2 * S <= v < V and lab[t + 1] == -100
+            if op <= S:                                      # push_s
+                held[op - 1].append(v)
+                assert len(held[op - 1]) <= D and lab[t] == -100
+            else:                                            # pop_s: the label (and the next input) is the top
+                s = op - 1 - S
+                assert held[s], "a pop from an empty stack"
+                assert lab[t] == v == held[s].pop()
+                pops += 1
+    assert pops > 64 * 30 * 0.3                              # both kinds occur (push_prob 0.5)
+    assert torch.equal(stacks(V, 64, 60, num_stacks=S, max_depth=D, seed=1)[1], y)
+    with pytest.raises(ValueError, match="vocab_size=12"):
+        stacks(12, 4, 8, num_stacks=5)
+    with pytest.raises(ValueError, match="push_prob"):
+        stacks(V, 4, 8, num_stacks=2, push_prob=1.0)

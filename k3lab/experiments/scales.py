@@ -45,6 +45,29 @@ SCALES: dict[str, dict[str, dict]] = {
                       tokens_per_param=0.02, min_steps=3, lr0=1e-2, lr_sweep=[1.0, 2.0], eval_batches=1, cuda_graph=True, dtype="float32",
                       budget_s=240, run_budget_s=60),
     },
+    # 16 · KDA-9 where the mixers run out of state: MQAR, palindrome and stack (KL §5.1) against width. Per task its
+    # vocabulary, row length and difficulty (MQAR pairs, stacks; unused for palindrome). GPU: zoology's hard MQAR
+    # (T = 1,024, 128 pairs, 8,192 tokens), KL's 64 stacks at T = 1,024, a 128-token palindrome; 2 layers of 2 heads
+    # at widths 64 and 128 (heads of 32 and 64), each mixer at its better of two learning rates. NOT yet measured on a
+    # GPU: 3 tasks x 4 mixers x 2 widths x 3 seeds x 2 lrs = 144 trainings, several device calls (the runs file
+    # resumes); the first call's seconds a run set the plan (docs/scaling_laws.md §6).
+    "16": {
+        "cpu": dict(tasks=["mqar", "palindrome", "stack"], mixers=["kda", "gated_deltanet", "linear"], widths=[16, 32],
+                    seeds=[0, 1], vocab={"mqar": 32, "palindrome": 8, "stack": 16},
+                    seq_len={"mqar": 16, "palindrome": 12, "stack": 16}, difficulty={"mqar": 2, "palindrome": 0, "stack": 2},
+                    n_layers=1, num_heads=2, steps=80, batch_size=16, lrs=[1e-2], chunk_size=8, test_examples=64,
+                    cuda_graph=False, budget_s=None),
+        "gpu": dict(tasks=["mqar", "palindrome", "stack"], mixers=["kda", "gated_deltanet", "mamba2", "linear"],
+                    widths=[64, 128], seeds=[0, 1, 2], vocab={"mqar": 8192, "palindrome": 16, "stack": 256},
+                    seq_len={"mqar": 1024, "palindrome": 256, "stack": 1024},
+                    difficulty={"mqar": 128, "palindrome": 0, "stack": 64}, n_layers=2, num_heads=2, steps=1000,
+                    batch_size=64, lrs=[5e-4, 2e-3], chunk_size=64, test_examples=512, cuda_graph=True, budget_s=480),
+        "smoke": dict(tasks=["mqar", "palindrome", "stack"], mixers=["kda", "gated_deltanet", "mamba2", "linear"],
+                      widths=[16, 32], seeds=[0, 1], vocab={"mqar": 32, "palindrome": 8, "stack": 16},
+                      seq_len={"mqar": 16, "palindrome": 12, "stack": 16},
+                      difficulty={"mqar": 2, "palindrome": 0, "stack": 2}, n_layers=2, num_heads=2, steps=3,
+                      batch_size=4, lrs=[1e-2, 3e-2], chunk_size=8, test_examples=8, cuda_graph=True, budget_s=240),
+    },
     # 01 · MQAR: KDA vs Gated DeltaNet vs Mamba2 (KL §5.1). GPU: two layers, 2 heads of 64 (a 64 x 64 state per
     # head), 256-token rows with up to 64 key-value pairs (zoology's standard length), 1,000 steps of 128 rows, each
     # mixer at its better of two learning rates (``lrs``, zoology's sweep: Gated DeltaNet stalled at 3e-3 alone on

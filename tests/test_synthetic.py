@@ -1,0 +1,83 @@
+"""KDA-9's hard regime (notebook 16): the verdict rule, the training harness, the notebook's smoke scale and its
+Try this (a second call on the same runs file trains nothing)."""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from k3lab.experiments.scales import SCALES
+from k3lab.experiments.synthetic import TASKS, kda9_verdict, task_rows, train_task, train_task_best_lr
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_kda9_rule():
+    lead = {"kda": [0.9, 0.92], "gated_deltanet": [0.5, 0.6], "linear": [0.3, 0.35]}  # KDA beyond the spread
+    tie = {"kda": [0.5, 0.7], "gated_deltanet": [0.55, 0.65], "linear": [0.5, 0.6]}    # within it
+    behind = {"kda": [0.3, 0.31], "gated_deltanet": [0.8, 0.82], "linear": [0.5, 0.6]}
+    assert kda9_verdict({t: {64: lead, 128: tie} for t in TASKS}) == ("confirmed", {t: "KDA best" for t in TASKS})
+    overall, per = kda9_verdict({"mqar": {64: lead}, "palindrome": {64: tie}, "stack": {64: lead}})
+    assert overall == "not reproduced at this scale" and per["palindrome"] == "no separation"
+    # ahead at one width but behind at another: the task goes to the other mixer, and the claim is contradicted
+    overall, per = kda9_verdict({"mqar": {64: lead, 128: behind}, "palindrome": {64: lead}, "stack": {64: lead}})
+    assert overall == "contradicted" and per["mqar"] == "other best"
+    # ahead of one mixer only is not "best"
+    half = {"kda": [0.9, 0.92], "gated_deltanet": [0.88, 0.95], "linear": [0.3, 0.35]}
+    assert kda9_verdict({"stack": {64: half}})[1] == {"stack": "no separation"}
+    with pytest.raises(ValueError, match="need >= 2 seeds"):
+        kda9_verdict({"stack": {64: {"kda": [0.9], "linear": [0.3]}}})
+
+
+def test_task_rows_dispatch_and_refuse():
+    for task in TASKS:
+        x, y = task_rows(task, 16, 3, 16, 2, seed=0)
+        assert x.shape == y.shape == (3, 16) and (y != -100).any()
+    with pytest.raises(ValueError, match="task='copy'"):
+        task_rows("copy", 16, 3, 16, 2, seed=0)
+
+
+def test_train_task_is_seeded_and_scores_against_fresh_rows():
+    kw = dict(d_model=16, seq_len=12, vocab_size=8, difficulty=0, n_layers=1, steps=6, batch_size=4,
+              test_examples=8, chunk_size=4)
+    a = train_task("palindrome", "linear", **kw)
+    b = train_task("palindrome", "linear", **kw)
+    assert a["accuracy"] == b["accuracy"] and a["final_loss"] == b["final_loss"] and 0.0 <= a["accuracy"] <= 1.0
+    best = train_task_best_lr("palindrome", "linear", [1e-3, 1e-2], **kw)
+    assert best["lr"] in (1e-3, 1e-2) and best["accuracy"] == max(best["sweep"].values())
+    with pytest.raises(ValueError, match="lrs"):
+        train_task_best_lr("palindrome", "linear", [], **kw)
+
+
+def test_gpu_scale_is_zoologys_hard_regime():
+    g = SCALES["16"]["gpu"]
+    assert g["seq_len"]["mqar"] >= 1024 and g["difficulty"]["mqar"] >= 128 and g["vocab"]["mqar"] >= 2 * 128 + 2
+    assert g["difficulty"]["stack"] == 64 and min(g["widths"]) >= 64 and max(g["widths"]) <= 128
+    assert g["mixers"][0] == "kda" and {"gated_deltanet", "mamba2", "linear"} <= set(g["mixers"])
+    assert len(g["seeds"]) == 3 and g["n_layers"] == 2 and g["num_heads"] == 2
+    for task in TASKS:  # the sizes are valid rows
+        task_rows(task, g["vocab"][task], 1, g["seq_len"][task], g["difficulty"][task], seed=0)
+
+
+def test_smoke_scale_and_try_this_resume(tmp_path):
+    """Notebook 16 at the smoke scale through papermill (every GPU mixer, 2 seeds, 2 lrs), then its Try this: the same
+    call on the same runs file trains nothing and prints the same table."""
+    papermill = pytest.importorskip("papermill")
+    runs = tmp_path / "16.runs.jsonl"
+    outs = []
+    for name in ("a", "b"):
+        out = tmp_path / f"16{name}.ipynb"
+        papermill.execute_notebook(str(ROOT / "notebooks" / "16_mixers_hard_regime.ipynb"), str(out),
+                                   cwd=str(ROOT / "notebooks"), parameters=dict(scale="smoke", runs_file=str(runs)),
+                                   progress_bar=False, kernel_name="python3")
+        outs.append(out.read_text())
+    smoke = SCALES["16"]["smoke"]
+    n = len(smoke["tasks"]) * len(smoke["mixers"]) * len(smoke["widths"]) * len(smoke["seeds"])
+    assert f"{n} runs trained, 0 reused" in outs[0] and f"0 runs trained, {n} reused" in outs[1]
+    assert "VERDICT KDA-9:" in outs[1] and len(runs.read_text().splitlines()) == n
+
+    def table(text):
+        nb = json.loads(text)
+        return [line for c in nb["cells"] for o in c.get("outputs", []) if o.get("output_type") == "stream"
+                for line in "".join(o["text"]).splitlines() if line.split()[:1] and line.split()[0] in TASKS and " D = " in line]
+    assert table(outs[0]) == table(outs[1]) and len(table(outs[0])) == len(smoke["tasks"]) * len(smoke["widths"])
