@@ -63,6 +63,7 @@ from k3lab.backend import resolve_backend, resolve_device  # noqa: E402
 from k3lab.config import DEVICES, RUNNABLE_PRESETS, ModelConfig  # noqa: E402
 from k3lab.costs import InferenceCosts  # noqa: E402
 from k3lab.infer import GenerationStats, StaticDecoder, decode, generate, prefill, prefill_rows  # noqa: E402
+from k3lab.infer.static import slots_for  # noqa: E402
 from k3lab.infer.step import Prefilled  # noqa: E402
 from k3lab.mixers.mla import MLACache  # noqa: E402
 from k3lab.model import K3Cache  # noqa: E402
@@ -250,7 +251,7 @@ def section_spec(args, cfg, device, dtype) -> dict:
     long_prompts = [val_ids[i * stride: i * stride + P].tolist() for i in range(len(prompts))]
     kw = dict(eos_token_id=None, decoder=decoder)  # every row makes `new` tokens: equal work for plain and draft
     graph = dict(decoder=decoder, context=ctx, prompt_len=P, new_tokens=new, prompts=len(long_prompts), rows=[])
-    generate(model, long_prompts[:1], new, **kw)  # warm-up: buffers and graph of this shape
+    generate(model, long_prompts[:1], new, **kw)  # warm-up: buffers and graph of this batch bucket
     plain_g, plain_out = GenerationStats(), []
     for p in long_prompts:
         plain_out += generate(model, [p], new, stats=plain_g, **kw)
@@ -274,17 +275,17 @@ def section_spec(args, cfg, device, dtype) -> dict:
               f"{r['identical_rows']}/{len(long_prompts)}", flush=True)
     out["graph"] = graph
     # the eager decoder: plain vs draft=k on --spec-prompt-len prompts
-    generate(model, prompts[:1], 8)  # warm-up
-    generate(model, prompts[:1], 8, draft=max(args.spec_k))
+    generate(model, prompts[:1], 8, decoder="eager")  # warm-up
+    generate(model, prompts[:1], 8, draft=max(args.spec_k), decoder="eager")
     plain_st, plain = GenerationStats(), []
     for p in prompts:
-        plain += generate(model, [p], args.spec_new, stats=plain_st)
+        plain += generate(model, [p], args.spec_new, stats=plain_st, decoder="eager")
     out["plain_decode_tokens_per_s"] = plain_st.decode_tokens_per_s
     out["sample"] = tok.decode(plain[0][L:L + 48])
     for k in args.spec_k:
         st, got = GenerationStats(), []
         for p in prompts:
-            got += generate(model, [p], args.spec_new, draft=k, stats=st)
+            got += generate(model, [p], args.spec_new, draft=k, stats=st, decoder="eager")
         out["rows"].append(dict(k=k, acceptance=st.acceptance_rate, tokens_per_forward=st.new_tokens / max(1, st.forwards + len(prompts)),
                                 decode_tokens_per_s=st.decode_tokens_per_s, speedup=plain_st.decode_s / st.decode_s,
                                 identical_rows=sum(a == b for a, b in zip(got, plain)), drafted=st.drafted,
@@ -411,7 +412,8 @@ def k3lab_decode_row(model, name: str, decoder: str, B: int, context: int, new: 
         if decoder == "eager":
             list(decode(model, pre, 3))  # first call (warm-up)
         else:
-            dec = StaticDecoder(model, graph=decoder.startswith("graph"), compile=decoder.endswith("compiled"))
+            dec = StaticDecoder(model, graph=decoder.startswith("graph"), compile=decoder.endswith("compiled"),
+                                capacity=slots_for(context + new))  # contexts past the config's: caches of their own
             dec.decode(pre, new)  # first call: buffers, warm-up, capture
         sync(device)
         row["first_call_s"] = time.perf_counter() - t0

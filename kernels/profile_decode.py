@@ -44,14 +44,14 @@ def main(argv=None) -> int:
         for B in args.batches:
             with torch.no_grad():
                 pre = tiled_prefill(model, B, context)
-                buf = allocate(pre, B, context + 256, args.steps + 4, torch.tensor([], dtype=torch.long))
+                buf = allocate(pre, B, context + 256)
                 load(buf, pre, torch.arange(B))
-                dec.step(buf, 0.0, None, None, 0)  # warm-up (and compilation)
-                dec.step(buf, 0.0, None, None, 0)
+                dec.step(buf, False, 0)  # warm-up (and compilation); greedy
+                dec.step(buf, False, 0)
                 torch.cuda.synchronize()
                 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                     for _ in range(args.steps):
-                        dec.step(buf, 0.0, None, None, 0)
+                        dec.step(buf, False, 0)
                     torch.cuda.synchronize()
             per = defaultdict(lambda: [0, 0.0])
             for e in prof.events():

@@ -253,7 +253,7 @@ def test_huge_draft_on_the_static_decoder_is_clamped_like_eager():
     dec = StaticDecoder(model)
     pres = [prefill(model, [r], mtp=True) for r in rows]
     assert dec.speculate(pres, 10**9, 8) == [r[len(p):] for r, p in zip(plain, rows)]
-    assert all(key[4] == 7 for key in dec.kept)  # k = max_new_tokens − 1
+    assert all(key.k == 7 for key in dec.kept)  # k = max_new_tokens − 1
     assert dec.speculate(pres, 10**9, 1) == [r[len(p):len(p) + 1] for r, p in zip(plain, rows)]
 
 

@@ -51,7 +51,7 @@ def test_static_greedy_equals_eager_mixed_batch(model):
 def test_static_step_logits_equal_eager(model):
     rows = prompts([6, 4])
     pre = prefill(model, rows)
-    buf = allocate(pre, 2, slots_for(pre.cache.offset + 8), 8, torch.tensor([], dtype=torch.long))
+    buf = allocate(pre, 2, slots_for(pre.cache.offset + 8))
     load(buf, pre, torch.arange(2))
     cache, tok = pre.cache, pre.logits.argmax(-1)  # [B]
     for _ in range(6):
@@ -113,8 +113,11 @@ def test_counter_uniform_is_uniform_and_row_independent():
 def test_decoder_argument_errors(model):
     with pytest.raises(ValueError, match=r"decoder='graph' needs a CUDA device"):
         generate(model, [[1, 2, 3]], 4, decoder="graph")
-    with pytest.raises(ValueError, match=r"decoder='fast': allowed values are \('eager', 'static', 'graph'\)"):
+    allowed = r"allowed values are \('auto', 'eager', 'static', 'graph'\)$"
+    with pytest.raises(ValueError, match=r"^decoder='fast': " + allowed):
         generate(model, [[1, 2, 3]], 4, decoder="fast")
+    with pytest.raises(ValueError, match=r"^decoder=None: allowed values are \('auto', "):
+        generate(model, [[1, 2, 3]], 4, decoder=None)
     mtp = build(seed=1, num_nextn_predict_layers=1)
     with pytest.raises(ValueError, match=r"temperature=1.0 with decoder='static' and draft=2"):
         generate(mtp, [[1, 2, 3]], 4, temperature=1.0, draft=2, decoder="static")
@@ -170,10 +173,10 @@ def test_decoder_keeps_at_most_max_kept_buffer_sets(model):
     from k3lab.infer.static import MAX_KEPT
 
     dec = StaticDecoder(model)
-    for n in range(MAX_KEPT + 2):  # a different number of new tokens each call: a new key each time
-        dec.decode(prefill(model, prompts([4])), 3 + n)
-    assert len(dec.kept) == MAX_KEPT
-    assert max(k[2] for k in dec.kept) == 3 + MAX_KEPT + 1  # the newest stays
+    for n in range(MAX_KEPT + 2):  # batch sizes of a new bucket each call (1, 2, 4, 8, ...): a new key each time
+        dec.decode(prefill(model, prompts([4] * 2 ** n, seed=n)), 3)
+    assert len(dec.kept) == MAX_KEPT and dec.builds == MAX_KEPT + 2
+    assert max(k.rows for k in dec.kept) == 2 ** (MAX_KEPT + 1)  # the newest stays
 
 
 def test_static_with_prefix_cache_equals_eager(model):

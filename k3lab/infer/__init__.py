@@ -4,8 +4,9 @@
   chunked prefill, batched decoding, sampling (temperature, top-k, top-p, stop, EOS);
 * :mod:`k3lab.infer.step` — what the decoding paths share: :func:`prefill_rows`, the MTP step,
   :class:`Prefilled`, :class:`GenerationStats` (imports run one way: step <- prefix, speculative <- generate);
-* :mod:`k3lab.infer.static` — :class:`StaticDecoder`: preallocated caches, tokens chosen on the device,
-  one CUDA graph replay a step (``generate(decoder="graph")``);
+* :mod:`k3lab.infer.static` — :class:`StaticDecoder`: preallocated caches of a fixed capacity, tokens chosen on
+  the device, one CUDA graph replay a step, captured once per batch bucket (``generate(decoder="graph")``, what
+  the default ``decoder="auto"`` runs on CUDA);
 * :mod:`k3lab.infer.prefix` — :class:`PrefixCache`: KDA states and MLA pages per prompt block, LRU,
   host tier;
 * :mod:`k3lab.infer.speculative` — MTP drafts, one verify forward, KDA state rollback by replay (the

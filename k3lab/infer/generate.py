@@ -39,7 +39,8 @@ from k3lab.infer import cache as hcache
 from k3lab.infer.prefix import PrefixCache
 from k3lab.infer.sampling import check_sampling, sample_next
 from k3lab.infer.speculative import speculative_decode
-from k3lab.infer.static import DECODERS, check_decoder, decoder_for  # noqa: F401
+from k3lab.infer.static import (DECODERS, CapacityError, StaticDecoder, decoder_for, resolve_decoder,  # noqa: F401
+                                slots_for)
 from k3lab.infer.step import (DEFAULT_CHUNK_TOKENS, GenerationStats, Prefilled, check_int,  # noqa: F401
                               check_prompt_context, model_device, prefill_rows)
 
@@ -249,7 +250,8 @@ def stream(model, prompts, max_new_tokens: int, temperature: float = 0.0, top_k:
            allow_longer: bool = False, decoder: str = "eager") -> Iterator[tuple[int, int]]:
     """The streaming form of :func:`generate`: yields ``(row, token)`` as each token is produced
     (rows interleaved step by step; under speculative decoding one row after another; with
-    ``decoder="static"``/``"graph"`` the tokens stay on the device until the decode ends, then come row by row).
+    ``decoder="static"``/``"graph"``/``"auto"`` the tokens stay on the device until the decode ends, then come row
+    by row — so the default here stays "eager", the decoder that streams).
     Arguments are checked before the first token (ValueError naming the argument)."""
     hcache.check_model(model)
     vocab = model.config.vocab_size
@@ -273,24 +275,49 @@ def stream(model, prompts, max_new_tokens: int, temperature: float = 0.0, top_k:
                              "(its MTP head needs the residual of every prompt position); pass one of them")
     if prefix_cache is not None and not isinstance(prefix_cache, PrefixCache):
         raise ValueError(f"prefix_cache: must be None or a k3lab.infer.PrefixCache, got {type(prefix_cache).__name__}")
-    check_decoder(decoder, model_device(model))
+    limit = getattr(model.config, "max_position_embeddings", None)
+    in_context = limit is None or max(len(r) for r in rows) + max_new_tokens <= limit
+    fit = decoder == "auto"  # the static caches may shrink to the call where the whole context does not fit
+    decoder = resolve_decoder(decoder, model_device(model), draft, temperature, in_context)
     if draft is not None and decoder != "eager" and temperature != 0:
         raise ValueError(f"temperature={temperature!r} with decoder={decoder!r} and draft={draft}: the static/graphed "
                          "speculative step is greedy only (temperature=0); use decoder='eager' to sample with drafts")
     return _stream(model, rows, max_new_tokens, temperature, top_k, top_p, stop, generator, draft, prefix_cache,
-                   chunk_size, stats, decoder, allow_longer)
+                   chunk_size, stats, decoder, allow_longer, fit)
+
+
+def static_decoder(model, graph: bool, tokens: int) -> StaticDecoder:
+    """The model's kept static/graphed decoder (capacity: the trained context), or — for a call of ``tokens``
+    prompt + new tokens past it, which ``allow_longer=True`` lets through — a decoder of its own for that call,
+    its capacity ``tokens`` rounded up to :data:`k3lab.infer.static.LENGTH_BUCKET` (built and captured anew)."""
+    dec = decoder_for(model, graph)
+    return dec if tokens <= dec.capacity else StaticDecoder(model, graph, capacity=slots_for(tokens))
+
+
+def static_run(model, graph: bool, tokens: int, fit: bool, run):
+    """``run(decoder)`` on :func:`static_decoder`'s decoder. ``fit`` (the caller asked for ``decoder="auto"``): where
+    the static caches of the model's whole context do not fit in memory (:class:`CapacityError`, e.g. a 1M-token
+    model on one GPU), the call runs on a decoder sized for its own ``tokens`` instead (built and captured for this
+    call); an explicit "static"/"graph" raises the error naming ``capacity``."""
+    try:
+        return run(static_decoder(model, graph, tokens))
+    except CapacityError:
+        if not fit:
+            raise
+        return run(StaticDecoder(model, graph, capacity=slots_for(tokens)))
 
 
 def _stream(model, rows, max_new_tokens, temperature, top_k, top_p, stop, generator, draft, prefix_cache,
-            chunk_size, stats, decoder="eager", allow_longer=False):
+            chunk_size, stats, decoder="eager", allow_longer=False, fit=False):
     if max_new_tokens == 0:
         return
+    need = max(len(r) for r in rows) + max_new_tokens  # cache slots the static decoders need
     if draft is None and decoder != "eager":
         pre = prefill(model, rows, chunk_size, prefix_cache=prefix_cache, stats=stats, allow_longer=allow_longer)
         seeds = torch.randint(0, 2 ** 31 - 1, (len(rows),), generator=generator,
                               device=generator.device if generator is not None else "cpu")
-        new = decoder_for(model, decoder == "graph").decode(pre, max_new_tokens, temperature, top_k, top_p, stop,
-                                                            seeds, stats)
+        new = static_run(model, decoder == "graph", need, fit, lambda dec: dec.decode(
+            pre, max_new_tokens, temperature, top_k, top_p, stop, seeds, stats))
         for i, tokens in enumerate(new):
             for tok in tokens:
                 yield i, tok
@@ -301,7 +328,8 @@ def _stream(model, rows, max_new_tokens, temperature, top_k, top_p, stop, genera
         return
     if decoder != "eager":  # every row prefilled alone with its MTP cache, then decoded as one batch
         pres = [prefill(model, [row], chunk_size, mtp=True, stats=stats, allow_longer=allow_longer) for row in rows]
-        new = decoder_for(model, decoder == "graph").speculate(pres, draft, max_new_tokens, stop, stats)
+        new = static_run(model, decoder == "graph", need, fit,
+                         lambda dec: dec.speculate(pres, draft, max_new_tokens, stop, stats))
         for i, tokens in enumerate(new):
             for tok in tokens:
                 yield i, tok
@@ -317,7 +345,7 @@ def generate(model, prompts, max_new_tokens: int, temperature: float = 0.0, top_
              top_p: float | None = None, stop=None, generator: torch.Generator | None = None, draft: int | None = None,
              prefix_cache=None, chunk_size: int = DEFAULT_CHUNK_TOKENS, max_prompt_tokens: int | None = None,
              stats: GenerationStats | None = None, eos_token_id=EOS_FROM_CONFIG, allow_longer: bool = False,
-             decoder: str = "eager"):
+             decoder: str = "auto"):
     """Continue each prompt by up to ``max_new_tokens`` tokens with the hybrid cache.
 
     prompts: a ``[B, T]`` LongTensor, or a list of prompts (lists of token ids or 1-D tensors) of any
@@ -332,10 +360,16 @@ def generate(model, prompts, max_new_tokens: int, temperature: float = 0.0, top_
     ``chunk_size``: prefill chunk. ``max_prompt_tokens``: refuse longer prompts. ``stats``: a
     :class:`GenerationStats` filled in place. A prompt plus ``max_new_tokens`` longer than
     ``config.max_position_embeddings`` (the trained context; the model is NoPE and would run, untested)
-    is refused unless ``allow_longer=True``. ``decoder``: "eager" (functional caches, rows leave the batch
-    as they stop), "static" (preallocated caches, the step chooses tokens on the device) or "graph" (the
-    static step as one CUDA graph replay; CUDA only) — :mod:`k3lab.infer.static`; the static decoders
-    draw sampled tokens from per-row seeds taken from ``generator`` (the same greedy tokens as "eager").
+    is refused unless ``allow_longer=True``. ``decoder`` (one of :data:`k3lab.infer.static.DECODERS`):
+    "auto" (the default: "graph" on CUDA, :data:`k3lab.infer.static.AUTO_OFF_CUDA` elsewhere — "eager", as the
+    static step measured a little slower on CPU; "eager" also for ``draft`` with ``temperature > 0`` and past the
+    context under ``allow_longer``), "eager" (functional caches, rows leave the batch as they stop: the reference path),
+    "static" (preallocated caches, the step chooses tokens on the device) or "graph" (the static step as one CUDA
+    graph replay; CUDA only) — :mod:`k3lab.infer.static`; the static decoders give the eager decoder's greedy
+    tokens and draw sampled tokens from per-row seeds taken from ``generator`` (other draws than "eager"'s, from
+    the same distribution). They keep their buffers and graphs per batch bucket for the model's context: the
+    first call of a bucket builds (and on CUDA captures), later calls of any prompt length and ``max_new_tokens``
+    replay (``stats.builds`` / ``stats.captures``).
 
     Returns each prompt followed by its continuation, in the prompts' form: a ``[B, T + n]`` tensor on
     the prompts' device, ``n`` the longest continuation (``<= max_new_tokens``; rows that stopped earlier

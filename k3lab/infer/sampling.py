@@ -134,17 +134,46 @@ def counter_uniform(seeds: Tensor, step: Tensor, vocab: int) -> Tensor:
     return bits_to_uniform(counter_bits(seeds[:, None], step[:, None], ids[None, :]))
 
 
-def sample_seeded(logits: Tensor, temperature: float, top_k: int | None, top_p: float | None, seeds: Tensor,
-                  step: Tensor) -> Tensor:
+def next_token_probs_rows(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+    """:func:`next_token_probs` with the sampling parameters as device tensors, one value per row (what a captured
+    decode step reads, so one CUDA graph serves every temperature / top-k / top-p):
+
+    logits [B, V]; temperature [B] float32 > 0; top_k [B] int64 in [1, V] (V: off); top_p [B] float32 in (0, 1]
+    (1: off). Returns [B, V] float32, row b equal to ``next_token_probs(logits[b:b+1], τ_b, k_b, p_b)`` bit for bit
+    on CPU (tested; the same float32 division and comparisons as with Python numbers). On CUDA a Python-number
+    temperature is applied as a multiplication by its reciprocal, a tensor one as a division: the two may differ
+    in the last bit there. The k-th largest value comes from a sort (``topk`` needs a Python ``k``): the same
+    value, ties at it kept as with ``topk``. No host read; the shapes do not depend on the values."""
+    z = logits.float()
+    V = z.shape[-1]
+    z = (z - z.amax(dim=-1, keepdim=True)) / temperature[:, None]  # [B, V] <= 0
+    kth = z.sort(dim=-1, descending=True).values.gather(-1, (top_k.clamp(1, V) - 1)[:, None])  # [B, 1]
+    z = z.masked_fill(z < kth, float("-inf"))  # top_k = V: kth = the smallest, nothing masked
+    probs = z.softmax(dim=-1)
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    before = sorted_p.cumsum(dim=-1) - sorted_p  # mass of the tokens ranked above each
+    keep = torch.zeros_like(probs, dtype=torch.bool).scatter(-1, order, before < top_p[:, None])
+    nucleus = probs * keep
+    nucleus = nucleus / nucleus.sum(dim=-1, keepdim=True)
+    return torch.where((top_p < 1.0)[:, None], nucleus, probs)  # top_p = 1: untouched, as next_token_probs
+
+
+def sample_seeded(logits: Tensor, temperature: float | Tensor, top_k: int | None | Tensor,
+                  top_p: float | None | Tensor, seeds: Tensor, step: Tensor) -> Tensor:
     """logits [B, V] -> next token ids [B]: greedy at temperature 0 or ``top_k=1``, else the inverse-CDF draw
     from :func:`next_token_probs` at one 52-bit uniform per row (module docstring). No host sync; the shapes do
     not depend on the values (CUDA graphs). ``seeds`` [B] int64 and ``step`` (broadcasting to [B]): the row's
-    seed and token index. ``logits`` [1, V] with N seeds or steps: N draws from that one distribution."""
+    seed and token index. ``logits`` [1, V] with N seeds or steps: N draws from that one distribution.
+    ``temperature`` a tensor: the three parameters are per-row device tensors (:func:`next_token_probs_rows`,
+    every row sampled — the caller picks greedy before), ``logits`` [B, V] with one row per draw."""
     n = torch.broadcast_shapes(seeds.reshape(-1).shape, step.reshape(-1).shape, logits.shape[:1])[0]
-    if temperature == 0 or top_k == 1:
+    if isinstance(temperature, Tensor):
+        probs = next_token_probs_rows(logits, temperature, top_k, top_p)
+    elif temperature == 0 or top_k == 1:
         tok = logits.argmax(dim=-1)  # top_k=1: the largest logit, as greedy (ties: the first, as argmax)
         return tok if tok.shape[0] == n else tok.expand(n)
-    probs = next_token_probs(logits, temperature, top_k, top_p)  # [B, V] float32, exactly 0 outside top-k/top-p
+    else:
+        probs = next_token_probs(logits, temperature, top_k, top_p)  # [B, V] float32, 0 outside top-k/top-p
     cdf = probs.double().cumsum(dim=-1)  # [B, V] non-decreasing, flat across every excluded token
     total = cdf[:, -1:]  # [B, 1] > 0 (the largest logit's token is always kept)
     u = bits_to_uniform(counter_bits(*torch.broadcast_tensors(seeds.reshape(-1), step.reshape(-1))))  # [n]

@@ -1,5 +1,6 @@
 r"""Decoding with preallocated caches: every step the same shapes and addresses, so on CUDA one step is
-one CUDA graph replay (``decoder="graph"``); the same step runs eagerly anywhere (``decoder="static"``).
+one CUDA graph replay (``decoder="graph"``, what ``generate``'s default ``decoder="auto"`` runs on CUDA); the same
+step runs eagerly anywhere (``decoder="static"``; "auto" off CUDA is "eager": on a CPU this step is not faster).
 
 Why: the eager decode (:func:`k3lab.infer.generate.decode`) is bound by the host, not by memory. A
 ``small`` step launches about 2,000 kernels from Python, and the functional caches copy every MLA
@@ -8,14 +9,27 @@ host has issued them. Captured once, the whole step is one ``graph.replay()``.
 
 What a replay needs, and how this module provides it:
 
-* **Fixed buffers.** The cache of every layer is allocated once, for ``S`` slots (prompt + new
-  tokens, rounded up to :data:`LENGTH_BUCKET`):
+* **Fixed buffers, sized once.** The cache of every layer is allocated once per batch bucket, for the
+  decoder's ``capacity`` slots (``StaticDecoder(model, capacity=...)``; default
+  ``config.max_position_embeddings``, the trained context): any prompt and any ``max_new_tokens`` with
+  ``prompt + new <= capacity`` runs on the same buffers. A call past it is refused, naming ``max_new_tokens``
+  and ``capacity``, before anything is allocated; a capacity whose caches would not fit the device's free memory
+  is refused naming ``capacity`` (at construction for one row, at each new bucket for its rows).
 
   - KDA layers: :class:`k3lab.mixers.kda.StaticKDACache` (our Triton decode kernel
     writes the new state over the old one; the conv tails are copied in);
   - MLA layers: :class:`k3lab.mixers.mla.StaticMLACache` ``c_kv [B, S, R]``, ``k_rope [B, S, ρ]``,
     ``key_mask [B, S]`` and one shared slot counter ``length`` — a step writes one slot and attends to
-    all of them under the mask (unwritten slots and the padding of shorter prompts weigh exactly 0).
+    all of them under the mask (unwritten slots and the padding of shorter prompts weigh exactly 0). On CUDA
+    the bf16/fp16 latent kernel also gets ``length`` as a limit and reads no tile past it, so the work follows
+    the context, not the capacity. On CPU (no graph there) the step attends to a window of the buffers, the first
+    ``prompt + new`` slots rounded up to :data:`LENGTH_BUCKET` (views: the same storage; ``cpu_window``).
+
+* **Per-call values are device tensors.** Everything a call changes is written into the buffers before the
+  first step, and the step reads it there: the slot counter and token index (``length``, ``step``), the
+  tokens, the per-row seeds, the sampling parameters (``temperature``, ``top_k``, ``top_p``: one value per row,
+  :func:`k3lab.infer.sampling.next_token_probs_rows`), the stop set (``is_stop [V]``, a flag per token) and, when
+  speculating, ``max_new_tokens``. No Python number of a call is baked into a captured step.
 
 * **Nothing read back to the host inside the step.** The next token is chosen on the device
   (:func:`k3lab.infer.sampling.sample_seeded`: argmax, or a seeded inverse-CDF draw for temperature /
@@ -25,11 +39,17 @@ What a replay needs, and how this module provides it:
   The MoE routes on the device (grouped GEMM with device-side group offsets; the padded expert path uses
   a fixed capacity while capturing).
 
-* **One batch size per graph.** A batch of ``B`` rows runs in the bucket ``B' ≥ B`` of
-  :data:`BATCH_BUCKETS`; the extra rows copy row 0's cache and start done. Graphs are kept per
-  (bucket, slots, sampling, the caches' device and dtypes) and reused by later calls with the same shape
-  (their buffers are refilled). All of them are dropped when the model's weights are no longer the tensors
-  they were captured on (``model.float()``, ``model.to(...)``: a graph reads its weights by address).
+* **One graph per batch bucket.** A batch of ``B`` rows runs in the bucket ``B' ≥ B`` of
+  :data:`BATCH_BUCKETS`; the extra rows copy row 0's cache and start done. Buffers are kept per
+  :class:`BufferKey` — (kind, bucket, drafts ``k``, device, the caches' dtypes) — and each buffer set holds at
+  most two graphs: the greedy step and the sampling step (the key's one sampling choice: a greedy graph
+  without the sampler's sorts and float64 cumsum over the vocabulary is cheaper; temperature, top-k and
+  top-p are tensors inside the sampling graph). So a bucket is built and captured once, then every prompt
+  length, ``max_new_tokens``, stop set and sampling value replays it (:attr:`StaticDecoder.builds`,
+  :attr:`StaticDecoder.captures`, ``GenerationStats.builds`` / ``captures``). At most :data:`MAX_KEPT` buffer
+  sets are kept (least recently used dropped: each holds ``capacity`` slots a row). All of them are dropped
+  when the model's weights are no longer the tensors they were captured on (``model.float()``,
+  ``model.to(...)``: a graph reads its weights by address).
 
 * **Any grad mode.** The decoder works in normal (not inference) mode under ``torch.no_grad()`` whatever the
   caller's, so buffers made under ``torch.inference_mode()`` are never inference tensors that a later normal
@@ -39,7 +59,8 @@ What a replay needs, and how this module provides it:
 greedy only) is one captured step too (:meth:`StaticDecoder.spec_step`): the MTP head drafts ``d_1 … d_k`` on
 its own static MLA cache, the model verifies ``[x_n, d_1 … d_k]`` in one forward on the static caches, the
 accepted count ``j`` (longest prefix with ``d_i = argmax p_{i−1}``) stays a device tensor, the row emits
-``argmax p_0 … p_j`` at its own output position and the caches roll back on the device:
+``argmax p_0 … p_j`` at its own output position and the caches roll back on the device (its buffers hold
+``capacity + 2k + 2`` slots: a finished row's last drafts may lie past its end):
 
 * MLA (main and MTP): the ``k + 1`` latents were written at slots ``length_b … length_b + k``; per-row
   lengths (``StaticMLACache.length`` [B]) become ``length_b + j_b + 1``, the key mask is cleared beyond,
@@ -61,16 +82,20 @@ draws, which come from a stateful generator).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import numbers
+import os
 import time
 import weakref
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from k3lab.backend import synchronize
 from k3lab.infer import cache as hcache
-from k3lab.infer.sampling import sample_seeded
+from k3lab.infer.sampling import check_sampling, sample_seeded
 from k3lab.infer.speculative import accept_greedy_rows
 from k3lab.infer.step import GenerationStats, Prefilled, check_int, mtp_step
 from k3lab.mixers.kda import KDACache, StaticKDACache, StaticKDAStepCache
@@ -79,22 +104,39 @@ from k3lab.model import K3Cache
 
 Tensor = torch.Tensor
 
-DECODERS = ("eager", "static", "graph")  # generate(decoder=...): functional caches | preallocated | + CUDA graph
+DECODERS = ("auto", "eager", "static", "graph")  # generate(decoder=...): resolve_decoder | functional | static | graph
+AUTO_OFF_CUDA = "eager"  # decoder="auto" off CUDA: on CPU (tiny preset) the static step measured 3-5% slower than
+# eager, not faster (docs/inference.md, section 6b), so "auto" stays eager there; "static" is one switch away
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # a graph is captured per bucket; larger batches: their own size
-LENGTH_BUCKET = 256  # cache slots are allocated in multiples of this
+LENGTH_BUCKET = 256  # the CPU window and the capacity of a call past the context: multiples of this
 CHECK_EVERY = 16  # decode steps between the host's reads of the done flags
-MAX_KEPT = 4  # buffer sets (and graphs) a decoder keeps; the least recently used goes first
+MAX_KEPT = 4  # buffer sets (each with its graphs) a decoder keeps; the least recently used goes first
 COMPILE_GRAPHED = False  # generate(decoder="graph") compiles the step first (torch.compile; measured in bench_infer)
 WARMUP_STEPS = 1  # eager steps before the capture (Triton compiles, libraries initialise there)
 
 
 def check_decoder(decoder: str, device: torch.device) -> None:
-    """ValueError naming ``decoder`` for an unknown value, or "graph" off CUDA."""
-    if decoder not in DECODERS:
+    """ValueError naming ``decoder`` for a value not in :data:`DECODERS`, or "graph" off CUDA."""
+    if not isinstance(decoder, str) or decoder not in DECODERS:
         raise ValueError(f"decoder={decoder!r}: allowed values are {DECODERS}")
     if decoder == "graph" and device.type != "cuda":
         raise ValueError(f"decoder='graph' needs a CUDA device, the model is on {device}; use decoder='static' "
-                         "(the same preallocated step without the graph) or 'eager'")
+                         "(the same preallocated step without the graph), 'auto' or 'eager'")
+
+
+def resolve_decoder(decoder: str, device: torch.device, draft: int | None = None, temperature: float = 0.0,
+                    in_context: bool = True) -> str:
+    """The decoder that runs for ``decoder`` (checked by :func:`check_decoder`): "auto" is "graph" on CUDA and
+    :data:`AUTO_OFF_CUDA` elsewhere, except "eager" with ``draft`` and ``temperature > 0`` (the static
+    speculative step is greedy only) and for a call past the trained context (not ``in_context``: allowed by
+    ``allow_longer``; the static caches are sized for the context, the eager ones grow with the rows that run);
+    any other value is itself."""
+    check_decoder(decoder, device)
+    if decoder != "auto":
+        return decoder
+    if (draft is not None and temperature != 0) or not in_context:
+        return "eager"
+    return "graph" if device.type == "cuda" else AUTO_OFF_CUDA
 
 
 def batch_bucket(rows: int) -> int:
@@ -107,13 +149,36 @@ def slots_for(tokens: int) -> int:
     return -(-tokens // LENGTH_BUCKET) * LENGTH_BUCKET
 
 
+def spec_scratch(k: int) -> int:
+    """Slots past ``capacity`` a speculative buffer set holds for ``k`` drafts: a row that finished with
+    ``max_new_tokens + k`` emitted tokens still writes ``k + 1`` verify latents a step while others run."""
+    return 2 * k + 2
+
+
+class BufferKey(NamedTuple):
+    """What a buffer set (and its graphs) is kept under: everything that fixes a shape, a dtype or a device.
+
+    kind: "decode" (plain) or "spec" (speculative); rows: the batch bucket; k: drafts a step (0 for "decode": the
+    verify's k + 1 tokens are a shape); device; dtypes: the caches' (:func:`cache_dtypes`). Not in it: the prompt
+    lengths and ``max_new_tokens`` (the buffers hold ``capacity`` slots), seeds, sampling values, stop tokens
+    (device tensors the step reads)."""
+
+    kind: str
+    rows: int
+    k: int
+    device: torch.device
+    dtypes: tuple
+
+
 @dataclass
 class Buffers:
     """Everything one graph reads and writes (fixed addresses).
 
     cache: the static cache; length: int64 [1] next MLA slot (shared by the MLA entries); step: int64 [1]
     the index of the token being produced (0 = the one from the prefill's logits); tokens: [B] last token
-    of each row; out: [B, N] the tokens produced; done: [B] bool; seeds: [B] int64; stop: [n_stop] int64.
+    of each row; out: [B, N] the tokens produced (N = the capacity: any max_new_tokens fits); done: [B] bool;
+    seeds: [B] int64; temperature [B] float32, top_k [B] int64, top_p [B] float32: the sampling parameters
+    (read by the sampling graph only); is_stop: [V] bool, True at the stop tokens.
     """
 
     cache: K3Cache
@@ -123,11 +188,15 @@ class Buffers:
     out: Tensor
     done: Tensor
     seeds: Tensor
-    stop: Tensor
+    temperature: Tensor
+    top_k: Tensor
+    top_p: Tensor
+    is_stop: Tensor
 
 
-def allocate(pre: Prefilled, rows: int, slots: int, new_tokens: int, stop: Tensor) -> Buffers:
-    """Buffers for ``rows`` rows and ``slots`` MLA slots shaped like the prefilled cache ``pre.cache``."""
+def allocate(pre: Prefilled, rows: int, slots: int) -> Buffers:
+    """Buffers for ``rows`` rows and ``slots`` MLA slots (and up to ``slots`` new tokens) shaped like the
+    prefilled cache ``pre.cache`` and its vocabulary ``pre.logits [B, V]``."""
     device = pre.logits.device
     length = torch.zeros(1, dtype=torch.long, device=device)
     layers = []
@@ -140,9 +209,84 @@ def allocate(pre: Prefilled, rows: int, slots: int, new_tokens: int, stop: Tenso
                                          e.k_rope.new_zeros(rows, slots, e.k_rope.shape[2]),
                                          torch.zeros(rows, slots, dtype=torch.bool, device=device), length))
     zeros = dict(dtype=torch.long, device=device)
+    f32 = dict(dtype=torch.float32, device=device)
     return Buffers(K3Cache(layers, 0), length, torch.zeros(1, **zeros), torch.zeros(rows, **zeros),
-                   torch.zeros(rows, new_tokens, **zeros), torch.zeros(rows, dtype=torch.bool, device=device),
-                   torch.zeros(rows, **zeros), stop.to(device))
+                   torch.zeros(rows, slots, **zeros), torch.zeros(rows, dtype=torch.bool, device=device),
+                   torch.zeros(rows, **zeros), torch.ones(rows, **f32), torch.ones(rows, **zeros),
+                   torch.ones(rows, **f32), torch.zeros(pre.logits.shape[-1], dtype=torch.bool, device=device))
+
+
+def buffer_bytes(pre: Prefilled, rows: int, slots: int, k: int | None = None) -> int:
+    """Bytes of the buffers :func:`allocate` (``k`` None) or :func:`allocate_spec` (``k`` drafts) makes for ``rows``
+    rows and ``slots`` slots: the MLA latents and key masks, the KDA states and tails (``k + 2`` states a row when
+    speculating), the MTP head's latents, the output tokens. Counted before allocating (:func:`check_memory`)."""
+    total = rows * slots * 8  # out [rows, slots] int64
+    mla = [e for e in pre.cache.layers if not isinstance(e, KDACache)]
+    if k is not None and pre.mtp_cache is not None:
+        mla.append(pre.mtp_cache)
+    for e in pre.cache.layers:
+        if isinstance(e, KDACache):
+            per_row = sum(t[0].numel() * t.element_size() for t in (e.recurrent, e.conv_q, e.conv_k, e.conv_v))
+            total += rows * per_row * (1 if k is None else k + 3)
+    for e in mla:
+        total += rows * slots * (e.c_kv.shape[2] * e.c_kv.element_size() + e.k_rope.shape[2] * e.k_rope.element_size()
+                                 + 1)  # + the key mask's bool
+    return total
+
+
+def free_bytes(device: torch.device) -> int | None:
+    """Memory an allocation on ``device`` can still get: CUDA — free on the device plus what PyTorch's caching
+    allocator holds unused; CPU — the available physical memory (``MemAvailable``); None where unknown."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    if device.type == "cpu":
+        try:  # MemAvailable: free pages plus the page cache the kernel can reclaim
+            with open("/proc/meminfo") as f:
+                return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+        except (OSError, StopIteration, ValueError):
+            pass
+        try:
+            return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            return None
+    return None
+
+
+class CapacityError(ValueError):
+    """The static caches of a capacity do not fit in the device's free memory (:func:`check_memory`)."""
+
+
+def check_memory(nbytes: int, device: torch.device, capacity: int, rows: int) -> None:
+    """:class:`CapacityError` (a ValueError) naming ``capacity`` when ``nbytes`` (the static caches of ``rows``
+    rows) exceed :func:`free_bytes` of ``device`` — before anything is allocated."""
+    free = free_bytes(device)
+    if free is not None and nbytes > free:
+        raise CapacityError(f"capacity={capacity}: the static caches of {rows} row(s) need {nbytes / 2**30:.3g} GiB, more "
+                         f"than the {free / 2**30:.3g} GiB free on {device}; pass a smaller capacity "
+                         "(StaticDecoder(model, capacity=...)) or fewer rows")
+
+
+def check_stop(stop, vocab: int) -> frozenset:
+    """``stop`` (a collection of token ids) as a frozenset, or ValueError naming ``stop`` (ids in [0, vocab))."""
+    ids = frozenset(stop)
+    if any(isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < vocab for t in ids):
+        raise ValueError(f"stop={set(stop)!r}: token ids must be integers in [0, vocab_size={vocab})")
+    return frozenset(int(t) for t in ids)
+
+
+def fill_stop(is_stop: Tensor, stop: frozenset) -> None:
+    """``is_stop [V]`` (in place) = True at the ``stop`` tokens, False elsewhere."""
+    is_stop.zero_()
+    if stop:
+        is_stop[torch.tensor(sorted(stop), dtype=torch.long, device=is_stop.device)] = True
+
+
+def window(cache: K3Cache, slots: int) -> K3Cache:
+    """The first ``slots`` slots of every :class:`StaticMLACache` of ``cache`` (views: the same storage and slot
+    counter), the KDA entries as they are — the CPU step attends to what the call can use, not the capacity."""
+    return K3Cache([StaticMLACache(e.c_kv[:, :slots], e.k_rope[:, :slots], e.key_mask[:, :slots], e.length)
+                    if isinstance(e, StaticMLACache) else e for e in cache.layers], cache.offset)
 
 
 def copy_kda_rows(dst: KDACache, src: KDACache, fill: Tensor) -> None:
@@ -152,8 +296,11 @@ def copy_kda_rows(dst: KDACache, src: KDACache, fill: Tensor) -> None:
         d.copy_(s.index_select(0, fill))
 
 
-def load(buf: Buffers, pre: Prefilled, seeds: Tensor) -> None:
-    """Copy the prefilled rows into the buffers (extra rows: copies of row 0, marked done)."""
+def load(buf: Buffers, pre: Prefilled, seeds: Tensor, temperature: float = 0.0, top_k: int | None = None,
+         top_p: float | None = None, stop=frozenset()) -> None:
+    """Copy the prefilled rows into the buffers (extra rows: copies of row 0, marked done) and this call's
+    values: seeds, sampling parameters (``top_k`` None: V; ``top_p`` None: 1; read by the sampling graph only),
+    the stop flags."""
     B, rows = pre.logits.shape[0], buf.tokens.shape[0]
     fill = torch.cat([torch.arange(B), torch.zeros(rows - B, dtype=torch.long)]).to(pre.logits.device)  # [rows]
     S0 = pre.cache.offset
@@ -164,13 +311,18 @@ def load(buf: Buffers, pre: Prefilled, seeds: Tensor) -> None:
         assert isinstance(src, MLACache)
         dst.c_kv[:, :S0].copy_(src.c_kv.index_select(0, fill))
         dst.k_rope[:, :S0].copy_(src.k_rope.index_select(0, fill))
-        dst.key_mask.zero_()
+        dst.key_mask.zero_()  # the whole capacity: what an earlier, longer call wrote stays hidden
         dst.key_mask[:, :S0] = True if src.key_mask is None else src.key_mask.index_select(0, fill)
     buf.length.fill_(S0)
     buf.step.zero_()
     buf.out.fill_(0)
     buf.seeds.copy_(seeds.to(buf.seeds.device).index_select(0, fill.to(buf.seeds.device)))
     buf.done.copy_(torch.arange(rows, device=buf.done.device) >= B)
+    V = buf.is_stop.shape[0]
+    buf.temperature.fill_(float(temperature) if temperature else 1.0)
+    buf.top_k.fill_(V if top_k is None else min(int(top_k), V))
+    buf.top_p.fill_(1.0 if top_p is None else float(top_p))
+    fill_stop(buf.is_stop, stop)
 
 
 @dataclass
@@ -183,17 +335,17 @@ class SpecBuffers:
     mtp: the MTP head's :class:`StaticMLACache` (its own length [B] and key mask).
     tokens [B]: the pending token ``x_n`` (known, not yet fed); pend_h [B, k+1, D], pend_x [B, k+1], pend_n [B]:
     the MTP head's next entries ``(h_t, x_{t+1})``, the first ``pend_n`` real (the verify's residuals and tokens).
-    out [B, N + 2k + 1]: the tokens emitted, ``emitted`` [B] of them per row (<= N + k; a step writes k + 1 from
-    there, a done row too: what lies past ``emitted`` is not read);
-    done [B] bool; stop [n_stop]; drafted / accepted / verifies [B]: GenerationStats' counts per row, as the eager
-    path counts them. rows = arange(B), iota = arange(k + 1); max_new: N.
+    out [B, C + 2k + 1]: the tokens emitted (C the capacity), ``emitted`` [B] of them per row (<= N + k; a step
+    writes k + 1 from there, a done row too: what lies past ``emitted`` is not read);
+    done [B] bool; is_stop [V] bool; drafted / accepted / verifies [B]: GenerationStats' counts per row, as the
+    eager path counts them. rows = arange(B), iota = arange(k + 1); max_new: int64 [1], this call's N.
     """
 
     cache: K3Cache
     mla: StaticMLACache | None
     mtp: StaticMLACache
     k: int
-    max_new: int
+    max_new: Tensor
     tokens: Tensor
     pend_h: Tensor
     pend_x: Tensor
@@ -201,7 +353,7 @@ class SpecBuffers:
     out: Tensor
     emitted: Tensor
     done: Tensor
-    stop: Tensor
+    is_stop: Tensor
     drafted: Tensor
     accepted: Tensor
     verifies: Tensor
@@ -226,9 +378,9 @@ def stack_speculative(model, pres: list[Prefilled]) -> Prefilled:
                      hcache.stack(mtp).layers[0])
 
 
-def allocate_spec(pre: Prefilled, rows: int, slots: int, new_tokens: int, k: int, stop: Tensor) -> SpecBuffers:
-    """:class:`SpecBuffers` for ``rows`` rows, ``slots`` MLA slots (main and MTP) and ``k`` drafts, shaped like
-    ``pre``."""
+def allocate_spec(pre: Prefilled, rows: int, slots: int, new_tokens: int, k: int) -> SpecBuffers:
+    """:class:`SpecBuffers` for ``rows`` rows, ``slots`` MLA slots (main and MTP), up to ``new_tokens`` new tokens
+    and ``k`` drafts, shaped like ``pre`` (and its vocabulary, ``pre.logits [B, V]``)."""
     device = pre.logits.device
     zeros = dict(dtype=torch.long, device=device)
     length = torch.zeros(rows, **zeros)
@@ -250,19 +402,30 @@ def allocate_spec(pre: Prefilled, rows: int, slots: int, new_tokens: int, k: int
                          torch.zeros(rows, slots, dtype=torch.bool, device=device), torch.zeros(rows, **zeros))
     mla = next((e for e in layers if isinstance(e, StaticMLACache)), None)
     D = pre.residual.shape[-1]
-    return SpecBuffers(K3Cache(layers, 0), mla, mtp, k, new_tokens, tokens=torch.zeros(rows, **zeros),
+    return SpecBuffers(K3Cache(layers, 0), mla, mtp, k, torch.zeros(1, **zeros), tokens=torch.zeros(rows, **zeros),
                        pend_h=pre.residual.new_zeros(rows, k + 1, D), pend_x=torch.zeros(rows, k + 1, **zeros),
                        pend_n=torch.zeros(rows, **zeros), out=torch.zeros(rows, new_tokens + 2 * k + 1, **zeros),
                        emitted=torch.zeros(rows, **zeros), done=torch.zeros(rows, dtype=torch.bool, device=device),
-                       stop=stop.to(device), drafted=torch.zeros(rows, **zeros), accepted=torch.zeros(rows, **zeros),
+                       is_stop=torch.zeros(pre.logits.shape[-1], dtype=torch.bool, device=device),
+                       drafted=torch.zeros(rows, **zeros), accepted=torch.zeros(rows, **zeros),
                        verifies=torch.zeros(rows, **zeros), rows=torch.arange(rows, device=device),
                        iota=torch.arange(k + 1, device=device))
 
 
-def load_spec(buf: SpecBuffers, pre: Prefilled) -> None:
-    """Copy the prefilled rows into ``buf`` (extra rows: copies of row 0, marked done) and emit token 0 of each
-    row, ``argmax`` of the prefill's logits; it is the pending token and the MTP head's first pending entry
-    pairs it with the prompt's last residual."""
+def window_spec(buf: SpecBuffers, slots: int) -> SpecBuffers:
+    """``buf`` with its main and MTP MLA caches cut to their first ``slots`` slots (views, :func:`window`)."""
+    cache = window(buf.cache, slots)
+    m = buf.mtp
+    return dataclasses.replace(buf, cache=cache, mla=next((e for e in cache.layers if isinstance(e, StaticMLACache)),
+                                                          None),
+                               mtp=StaticMLACache(m.c_kv[:, :slots], m.k_rope[:, :slots], m.key_mask[:, :slots],
+                                                  m.length))
+
+
+def load_spec(buf: SpecBuffers, pre: Prefilled, max_new_tokens: int, stop=frozenset()) -> None:
+    """Copy the prefilled rows into ``buf`` (extra rows: copies of row 0, marked done), this call's
+    ``max_new_tokens`` and stop flags, and emit token 0 of each row, ``argmax`` of the prefill's logits; it is the
+    pending token and the MTP head's first pending entry pairs it with the prompt's last residual."""
     B, rows = pre.logits.shape[0], buf.tokens.shape[0]
     device = pre.logits.device
     fill = torch.cat([torch.arange(B), torch.zeros(rows - B, dtype=torch.long)]).to(device)  # [rows]
@@ -296,7 +459,9 @@ def load_spec(buf: SpecBuffers, pre: Prefilled) -> None:
     buf.pend_h.zero_()
     buf.pend_h[:, 0] = pre.residual.index_select(0, fill)
     buf.pend_n.fill_(1)
-    buf.done.copy_((torch.arange(rows, device=device) >= B) | torch.isin(first, buf.stop) | (buf.max_new <= 1))
+    buf.max_new.fill_(max_new_tokens)
+    fill_stop(buf.is_stop, stop)
+    buf.done.copy_((torch.arange(rows, device=device) >= B) | buf.is_stop[first] | (buf.max_new <= 1))
     for t in (buf.drafted, buf.accepted, buf.verifies):
         t.zero_()
 
@@ -305,7 +470,8 @@ _DECODERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model ->
 
 
 def decoder_for(model, graph: bool) -> "StaticDecoder":
-    """The model's :class:`StaticDecoder` (one per model and mode, so later calls reuse its graphs)."""
+    """The model's :class:`StaticDecoder` (one per model and mode, so later calls reuse its buffers and graphs),
+    with the default capacity (``config.max_position_embeddings``)."""
     per_model = _DECODERS.setdefault(model, {})
     if graph not in per_model:
         per_model[graph] = StaticDecoder(model, graph, compile=graph and COMPILE_GRAPHED)
@@ -313,14 +479,15 @@ def decoder_for(model, graph: bool) -> "StaticDecoder":
 
 
 def cache_dtypes(*entries) -> tuple:
-    """The dtypes of every tensor of the cache entries (KDA / MLA caches, or tensors): part of a buffer key, so
-    buffers made for bf16 caches are not refilled with fp32 ones."""
+    """The dtypes of the floating-point tensors of the cache entries (KDA / MLA caches, or tensors): part of a
+    buffer key, so buffers made for bf16 caches are not refilled with fp32 ones. (Not the key mask, which a batch
+    of equal-length prompts has not and a mixed one has: both fill the same buffers.)"""
     out = []
     for e in entries:
         if isinstance(e, Tensor):
             out.append(e.dtype)
         elif e is not None:
-            out.append(tuple(t.dtype for t in vars(e).values() if isinstance(t, Tensor)))
+            out.append(tuple(t.dtype for t in vars(e).values() if isinstance(t, Tensor) and t.is_floating_point()))
     return tuple(out)
 
 
@@ -330,30 +497,49 @@ def cut_at_stop(rows: list[list[int]], stop) -> list[list[int]]:
     return [row[:next((i + 1 for i, t in enumerate(row) if t in stops), len(row))] for row in rows]
 
 
+def config_bytes(config, rows: int, capacity: int, element_size: int) -> int:
+    """A lower bound of :func:`buffer_bytes` from the model's config alone: the MLA latents and key masks of
+    ``rows`` rows at ``capacity`` slots, ``element_size`` bytes a number (the check at construction)."""
+    per_slot = len(config.full_attn_layers) * ((config.kv_lora_rank + config.qk_rope_head_dim) * element_size + 1)
+    return rows * capacity * per_slot
+
+
 class StaticDecoder:
     """Batched decoding on preallocated caches for one model; ``graph=True`` replays each step as a CUDA graph.
 
     ``decode(pre, max_new_tokens, ...)`` -> per row the list of new tokens (stop token kept, nothing after).
-    Graphs and buffers are kept per (batch bucket, slots, new-token width, sampling, stop set, device, cache dtypes)
-    and reused; at most :data:`MAX_KEPT` of them (least recently used dropped); all dropped when the model's
-    weights change tensors (:meth:`check_weights`). The decoder runs in normal mode under ``torch.no_grad`` whatever
-    the caller's mode (``torch.inference_mode()`` included). A capture that fails raises RuntimeError naming
-    ``decoder='static'`` as the way round.
+    ``capacity``: the slots of every MLA cache (prompt + new tokens of a call, at most), chosen once (None: the
+    model's ``config.max_position_embeddings``); a call past it is refused naming ``max_new_tokens``, a capacity
+    whose caches do not fit in memory naming ``capacity``. Buffers and graphs are kept per :class:`BufferKey`
+    (batch bucket, drafts, device, cache dtypes) — the greedy and the sampling graph of a bucket share one buffer
+    set — and reused by every later call in that bucket, whatever its prompt lengths, ``max_new_tokens``,
+    sampling values and stop tokens; at most :data:`MAX_KEPT` buffer sets (least recently used dropped); all
+    dropped when the model's weights change tensors (:meth:`check_weights`). ``builds`` / ``captures`` /
+    ``capture_s``: buffer sets allocated, graphs captured, seconds of warm-up and capture, so far. ``cpu_window``:
+    on CPU the step attends to the slots the call can use (False: the whole capacity, the graph's shapes). The
+    decoder runs in normal mode under ``torch.no_grad`` whatever the caller's mode (``torch.inference_mode()``
+    included). A capture that fails raises RuntimeError naming ``decoder='static'`` as the way round.
     """
 
-    def __init__(self, model, graph: bool = False, compile: bool = False):
+    def __init__(self, model, graph: bool = False, compile: bool = False, capacity: int | None = None):
         hcache.check_model(model)
+        config = model.config
+        self.capacity = int(config.max_position_embeddings) if capacity is None else check_int("capacity", capacity, 1)
+        weight = next(model.parameters())
+        check_memory(config_bytes(config, 1, self.capacity, weight.element_size()), weight.device, self.capacity, 1)
         self.model, self.graph = model, graph
         self.logits = self.step_logits if not compile else torch.compile(self.step_logits, dynamic=False)
-        self.kept: dict[tuple, tuple[Buffers, torch.cuda.CUDAGraph | None]] = {}
+        self.kept: dict[BufferKey, tuple[Buffers | SpecBuffers, dict[bool, torch.cuda.CUDAGraph]]] = {}
         self.weights: tuple | None = None  # (address, dtype, device, shape) of every weight the kept graphs read
+        self.builds = 0  # buffer sets allocated so far
         self.captures = 0  # graphs captured so far
         self.capture_s = 0.0  # seconds spent in warmup + capture
+        self.cpu_window = True
 
-    def step(self, buf: Buffers, temperature: float, top_k: int | None, top_p: float | None, pad: int) -> None:
+    def step(self, buf: Buffers, sampled: bool, pad: int) -> None:
         """One decode step on ``buf`` (what the graph holds): feed ``tokens``, choose the next on the device."""
         buf.step.add_(1)
-        self.record(buf, self.logits(buf.tokens, buf.cache), temperature, top_k, top_p, pad)
+        self.record(buf, self.logits(buf.tokens, buf.cache), sampled, pad)
         buf.length.add_(1)
 
     def step_logits(self, tokens: Tensor, cache: K3Cache) -> Tensor:
@@ -361,12 +547,16 @@ class StaticDecoder:
         return hcache.forward(self.model, tokens[:, None], cache, last=1).logits[:, -1]
 
     @staticmethod
-    def record(buf: Buffers, logits: Tensor, temperature, top_k, top_p, pad: int) -> None:
-        """Choose each row's token at ``buf.step`` from ``logits [B, V]``; done rows record ``pad``."""
-        tok = sample_seeded(logits, temperature, top_k, top_p, buf.seeds, buf.step)  # [B]
+    def record(buf: Buffers, logits: Tensor, sampled: bool, pad: int) -> None:
+        """Choose each row's token at ``buf.step`` from ``logits [B, V]`` — argmax, or (``sampled``) a seeded draw
+        with the buffers' temperature / top-k / top-p — done rows record ``pad``."""
+        if sampled:
+            tok = sample_seeded(logits, buf.temperature, buf.top_k, buf.top_p, buf.seeds, buf.step)  # [B]
+        else:
+            tok = logits.argmax(dim=-1)  # [B]
         tok = torch.where(buf.done, torch.full_like(tok, pad), tok)
         buf.out.index_copy_(1, buf.step, tok[:, None])
-        buf.done.logical_or_(torch.isin(tok, buf.stop))
+        buf.done.logical_or_(buf.is_stop[tok])
         buf.tokens.copy_(tok)
 
     def capture(self, buf: Buffers, *args) -> torch.cuda.CUDAGraph:
@@ -402,66 +592,94 @@ class StaticDecoder:
             self.kept.clear()
             self.weights = weights
 
-    def buffers(self, key: tuple, make):
-        """The kept (buffers, graph) under ``key`` (``make()`` builds the buffers when new), now most recently used."""
+    def check_room(self, prompt: int, max_new_tokens: int) -> None:
+        """ValueError naming ``max_new_tokens`` and ``capacity`` when ``prompt + max_new_tokens`` tokens do not fit
+        the caches' slots (``prompt``: the longest row) — before anything is allocated."""
+        if prompt + max_new_tokens > self.capacity:
+            raise ValueError(f"max_new_tokens={max_new_tokens}: the longest prompt ({prompt} tokens) + max_new_tokens "
+                             f"> capacity={self.capacity} (the static caches' slots, StaticDecoder(model, "
+                             f"capacity=...)); at most {max(0, self.capacity - prompt)} here")
+
+    def buffers(self, key: BufferKey, nbytes: int, make):
+        """The kept (buffers, graphs) under ``key``, now most recently used; new: ``nbytes`` checked against the free
+        memory (naming ``capacity``), the least recently used set dropped first, then ``make()``."""
         if key not in self.kept:
-            while len(self.kept) >= MAX_KEPT:  # drop the least recently used buffers and graph
+            while len(self.kept) >= MAX_KEPT:  # drop the least recently used buffers and graphs
                 self.kept.pop(next(iter(self.kept)))
-            self.kept[key] = (make(), None)
+            check_memory(nbytes, key.device, self.capacity, key.rows)
+            self.kept[key] = (make(), {})
+            self.builds += 1
         self.kept[key] = self.kept.pop(key)  # most recently used last
         return self.kept[key]
+
+    def windowed(self, buf, slots: int, spec: bool = False):
+        """``buf`` itself, or on CPU (``cpu_window``) a copy whose MLA caches are its first ``slots`` slots."""
+        if not self.cpu_window or buf.tokens.device.type != "cpu":
+            return buf
+        full = buf.mtp if spec else next((e for e in buf.cache.layers if isinstance(e, StaticMLACache)), None)
+        if full is None or slots >= full.c_kv.shape[1]:
+            return buf
+        return window_spec(buf, slots) if spec else dataclasses.replace(buf, cache=window(buf.cache, slots))
 
     @torch.no_grad()
     def decode(self, pre: Prefilled, max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None,
                top_p: float | None = None, stop=frozenset(), seeds: Tensor | None = None,
                stats: GenerationStats | None = None) -> list[list[int]]:
         """Up to ``max_new_tokens`` tokens per prefilled row (the first from ``pre.logits``); a row ends after a
-        ``stop`` token. ``seeds`` [B] int64: each row's sampling seed (None: the row index)."""
+        ``stop`` token. ``seeds`` [B] int64: each row's sampling seed (None: the row index). The longest prompt
+        plus ``max_new_tokens`` must fit ``capacity`` (ValueError naming both)."""
         with torch.inference_mode(False), torch.no_grad():  # normal tensors, writable by a later call in any mode
             return self._decode(pre, max_new_tokens, temperature, top_k, top_p, stop, seeds, stats)
 
     def _decode(self, pre, max_new_tokens, temperature, top_k, top_p, stop, seeds, stats):
         model, device = self.model, pre.logits.device
-        B = pre.logits.shape[0]
+        B, V = pre.logits.shape
         max_new_tokens = check_int("max_new_tokens", max_new_tokens, 0)
         if max_new_tokens < 1:
             return [[] for _ in range(B)]
+        check_sampling(temperature, top_k, top_p)
         seeds = torch.arange(B) if seeds is None else torch.as_tensor(seeds, dtype=torch.long).reshape(-1)
         if seeds.numel() != B:
             raise ValueError(f"seeds: need one per row ({B}), got {seeds.numel()}")
+        stop = check_stop(stop, V)
+        S0 = pre.cache.offset
+        self.check_room(S0, max_new_tokens)
         pad = model.config.pad_token_id
         pad = 0 if pad is None else int(pad)
-        stop_ids = torch.tensor(sorted(stop), dtype=torch.long)
-        rows, slots = batch_bucket(B), slots_for(pre.cache.offset + max_new_tokens)
-        key = (rows, slots, max_new_tokens, temperature, top_k, top_p, tuple(stop_ids.tolist()), device,
-               cache_dtypes(*pre.cache.layers, pre.logits))
+        rows = batch_bucket(B)
+        sampled = temperature != 0 and top_k != 1  # the graph with the sampler; greedy (top_k=1 too): argmax
+        key = BufferKey("decode", rows, 0, device, cache_dtypes(*pre.cache.layers, pre.logits))
         self.check_weights()
+        builds, captures = self.builds, self.captures
         was_training = model.training
         model.eval()
         try:
             synchronize(device)
             t0 = time.perf_counter()
-            buf, graph = self.buffers(key, lambda: allocate(pre, rows, slots, max_new_tokens, stop_ids))
-            load(buf, pre, seeds)
+            buf, graphs = self.buffers(key, buffer_bytes(pre, rows, self.capacity),
+                                       lambda: allocate(pre, rows, self.capacity))
+            load(buf, pre, seeds, temperature, top_k, top_p, stop)
+            run = self.windowed(buf, slots_for(S0 + max_new_tokens))
             logits0 = torch.cat([pre.logits, pre.logits[:1].expand(rows - B, -1)]) if rows > B else pre.logits
-            self.record(buf, logits0.float(), temperature, top_k, top_p, pad)  # token 0, from the prefill
-            args = (temperature, top_k, top_p, pad)
+            self.record(run, logits0.float(), sampled, pad)  # token 0, from the prefill
+            graph = graphs.get(sampled)
             done_steps = 0
             while done_steps < max_new_tokens - 1:
                 if self.graph and graph is None and max_new_tokens - 1 - done_steps > WARMUP_STEPS:
                     c0 = time.perf_counter()
-                    graph = self.capture(buf, *args)  # runs WARMUP_STEPS real steps, records one more
-                    self.kept[key] = (buf, graph)
+                    graph = graphs[sampled] = self.capture(run, sampled, pad)  # WARMUP_STEPS real steps, one recorded
                     done_steps += WARMUP_STEPS
                     synchronize(device)
-                    self.capture_s += time.perf_counter() - c0
+                    spent = time.perf_counter() - c0
+                    self.capture_s += spent
                     if stats is not None:
                         stats.forwards += WARMUP_STEPS
+                        stats.capture_s += spent
                     continue
                 if graph is not None:
                     graph.replay()
                 else:
-                    self.step(buf, *args)
+                    self.step(run, sampled, pad)
                 done_steps += 1
                 if stats is not None:
                     stats.forwards += 1
@@ -476,6 +694,8 @@ class StaticDecoder:
         result = cut_at_stop(out, stop)
         if stats is not None:
             stats.new_tokens += sum(len(r) for r in result)
+            stats.builds += self.builds - builds
+            stats.captures += self.captures - captures
         return result
 
     # ------------------------------------------------------------------------------------------
@@ -528,7 +748,7 @@ class StaticDecoder:
         buf.accepted.add_(torch.where(active, torch.minimum(j, k_eff), 0))
         buf.verifies.add_(active.long())
         adv = torch.where(active, j + 1, 0)  # [B]
-        hit = (torch.isin(best, buf.stop) & (buf.iota <= j[:, None])).any(dim=1)  # a stop among the emitted
+        hit = (buf.is_stop[best] & (buf.iota <= j[:, None])).any(dim=1)  # a stop among the emitted
         buf.emitted.add_(adv)
         buf.done.logical_or_(active & (hit | (buf.emitted >= buf.max_new)))
         if buf.mla is not None:
@@ -568,37 +788,44 @@ class StaticDecoder:
         B, device = pre.logits.shape[0], pre.logits.device
         if max_new_tokens < 1:
             return [[] for _ in range(B)]
-        stop_ids = torch.tensor(sorted(stop), dtype=torch.long)
-        rows, slots = batch_bucket(B), slots_for(max(pre.lengths) + max_new_tokens + k)
-        key = ("spec", rows, slots, max_new_tokens, k, tuple(stop_ids.tolist()), device,
-               cache_dtypes(*pre.cache.layers, pre.mtp_cache, pre.residual))
+        stop = check_stop(stop, pre.logits.shape[-1])
+        longest = max(pre.lengths)
+        self.check_room(longest, max_new_tokens)
+        rows, slots = batch_bucket(B), self.capacity + spec_scratch(k)
+        key = BufferKey("spec", rows, k, device, cache_dtypes(*pre.cache.layers, pre.mtp_cache, pre.residual))
         self.check_weights()
+        builds, captures = self.builds, self.captures
         check = max(1, CHECK_EVERY // (k + 1))  # steps between the host's reads of the done flags
         was_training = model.training
         model.eval()
         try:
             synchronize(device)
             t0 = time.perf_counter()
-            buf, graph = self.buffers(key, lambda: allocate_spec(pre, rows, slots, max_new_tokens, k, stop_ids))
-            load_spec(buf, pre)
+            buf, graphs = self.buffers(key, buffer_bytes(pre, rows, slots, k),
+                                       lambda: allocate_spec(pre, rows, slots, self.capacity, k))
+            load_spec(buf, pre, max_new_tokens, stop)
+            run = self.windowed(buf, slots_for(longest + max_new_tokens + spec_scratch(k)), spec=True)
+            graph = graphs.get(False)  # greedy only
             steps, limit = 0, max_new_tokens - 1  # every step emits >= 1 token per active row
             while steps < limit:
                 if self.graph and graph is None and limit - steps > WARMUP_STEPS:
                     c0 = time.perf_counter()
-                    graph = self.capture_step(lambda: self.spec_step(buf), device, "speculative step")
-                    self.kept[key] = (buf, graph)
+                    graph = graphs[False] = self.capture_step(lambda: self.spec_step(run), device, "speculative step")
                     steps += WARMUP_STEPS
                     synchronize(device)
-                    self.capture_s += time.perf_counter() - c0
+                    spent = time.perf_counter() - c0
+                    self.capture_s += spent
+                    if stats is not None:
+                        stats.capture_s += spent
                     continue
                 if graph is not None:
                     graph.replay()
                 else:
-                    self.spec_step(buf)
+                    self.spec_step(run)
                 steps += 1
                 if steps % check == 0 and bool(buf.done[:B].all()):
                     break
-            out = buf.out[:B].tolist()  # the one read back of the tokens
+            out = buf.out[:B, :max_new_tokens].tolist()  # the one read back of the tokens
             emitted, drafted, accepted, verifies = torch.stack(
                 [buf.emitted[:B], buf.drafted[:B], buf.accepted[:B], buf.verifies[:B]]).tolist()
             synchronize(device)
@@ -614,4 +841,6 @@ class StaticDecoder:
             stats.accepted += sum(accepted)
             stats.mtp_forwards += sum(drafted)
             stats.per_row.extend(zip(drafted, accepted))
+            stats.builds += self.builds - builds
+            stats.captures += self.captures - captures
         return result

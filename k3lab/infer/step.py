@@ -38,6 +38,8 @@ class GenerationStats:
     by the prefix cache. new_tokens: tokens generated. prefill_s / decode_s: wall seconds (device
     synchronised). forwards: decode forwards of the main model (verify forwards under speculation).
     drafted / accepted: MTP draft tokens proposed / accepted. mtp_forwards: forwards of the MTP head.
+    builds / captures / capture_s: the static/graphed decoder's buffer sets allocated, CUDA graphs captured and
+    seconds of warm-up and capture during the call (0 when it replayed what an earlier call made).
     """
 
     prompt_tokens: int = 0
@@ -50,6 +52,9 @@ class GenerationStats:
     drafted: int = 0
     accepted: int = 0
     mtp_forwards: int = 0
+    builds: int = 0
+    captures: int = 0
+    capture_s: float = 0.0
     per_row: list = field(default_factory=list)  # speculative decoding: (drafted, accepted) per row
 
     @property

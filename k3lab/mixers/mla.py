@@ -453,17 +453,19 @@ class GatedMLA(nn.Module):
         return o.transpose(1, 2)
 
     def attend_absorbed(self, q_nope: Tensor, q_rope: Tensor, c_kv: Tensor, k_rope: Tensor, offset: int,
-                        key_mask: Tensor | None = None) -> Tensor:
+                        key_mask: Tensor | None = None, limit: Tensor | None = None) -> Tensor:
         """MQA over the latent [c_kv ; k_rope] (one KV head). Returns o [B, T, H, V] in float32 (float64 in).
 
-        key_mask: [B, S] bool or None (see :class:`MLACache`)."""
+        key_mask: [B, S] bool or None (see :class:`MLACache`). limit: [B, T] int64 or None, a bound on the work:
+        the bf16/fp16 CUDA path (:func:`latent_attention_lowp`) reads no slot past ``limit[b, t]``; the slots past
+        it must already be hidden (key mask or causal), so the result is the same with or without it."""
         W_UK, W_UV = self.kv_b_weights()  # [H, nope, R], [H, V, R]
         dtype = torch.float64 if q_nope.dtype == torch.float64 else torch.float32
         track = self.training and self.track_max_logit
         with torch.autocast(q_nope.device.type, enabled=False):
             q_latent = torch.einsum("bthn,hnr->bthr", q_nope.to(dtype), W_UK.to(dtype))  # [B, T, H, R]
             if c_kv.is_cuda and c_kv.dtype in (torch.bfloat16, torch.float16) and not track:
-                o_latent = latent_attention_lowp(q_latent, q_rope, c_kv, k_rope, self.scale, offset, key_mask)
+                o_latent = latent_attention_lowp(q_latent, q_rope, c_kv, k_rope, self.scale, offset, key_mask, limit)
             else:
                 q = torch.cat([q_latent, q_rope.to(dtype)], dim=-1).transpose(1, 2)  # [B, H, T, R + rope]
                 k = torch.cat([c_kv, k_rope], dim=-1)[:, None]  # [B, 1, S, R + rope]
@@ -526,7 +528,9 @@ class GatedMLA(nn.Module):
             cache.k_rope.index_copy_(1, cache.length, k_rope.to(cache.k_rope.dtype))
             cache.key_mask.index_fill_(1, cache.length, True)
             S = cache.c_kv.shape[1]  # the query sits after every slot: the key mask alone decides what it sees
-            o = self.attend_absorbed(q_nope, q_rope, cache.c_kv, cache.k_rope, S - 1, cache.key_mask).flatten(2)
+            last = cache.length.expand(B)[:, None]  # [B, 1] the slot just written: no later one is real (CUDA kernel's
+            # work bound, so a cache of many slots costs what its written ones do)
+            o = self.attend_absorbed(q_nope, q_rope, cache.c_kv, cache.k_rope, S - 1, cache.key_mask, last).flatten(2)
             return self.output(x, o), cache
         new = torch.arange(T, device=x.device)  # [T]
         positions = cache.key_mask.sum(1, keepdim=True) + new if self.use_rope else None  # [B, T]
