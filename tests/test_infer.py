@@ -288,7 +288,7 @@ def test_prefix_hit_gives_the_cold_logits(model):
     s = pc.stats()
     assert s["hit_tokens"] == 28 + 16 and s["lookup_tokens"] == 28 + 28 + 22
     assert math.isclose(s["token_hit_rate"], 44 / 78) and math.isclose(s["request_hit_rate"], 2 / 3)
-    assert s["time_saved_s"] > 0 and len(pc) == 7 + 1  # other's 5th block [16, 20) is new
+    assert "time_saved_s" not in s and len(pc) == 7 + 1  # other's 5th block [16, 20) is new; no time estimate
     # generation through the cache equals generation without it
     assert generate(model, [doc, other], 4, prefix_cache=pc) == generate(model, [doc, other], 4)
 

@@ -1,6 +1,10 @@
-"""Small helpers every notebook uses: versions, parameter validation, the headline line."""
+"""Small helpers every notebook uses: versions, parameter validation, the headline line, the course model."""
 
+import json
 import platform
+from pathlib import Path
+
+COURSE_MODEL = Path(__file__).resolve().parents[1] / "assets" / "course_model"  # tools/train_course_model.py
 
 
 def show_versions() -> dict:
@@ -165,3 +169,24 @@ def explore(plot, interactive, **controls) -> dict:
               + " (in JupyterLab this cell shows sliders; interactive=True forces them)")
         plot(**defaults)
     return defaults
+
+
+def course_model_card() -> dict | None:
+    """The course model's ``card.json`` (how it was trained: command, steps, tokens, loss curve, a sample), or None
+    when the files are missing."""
+    card = COURSE_MODEL / "card.json"
+    return json.loads(card.read_text()) if card.is_file() else None
+
+
+def load_course_model(device="cpu"):
+    """The course model — K3's ``tiny`` preset with one MTP head, trained on the KJV corpus by
+    ``tools/train_course_model.py`` (its card: :func:`course_model_card`) — in float32 on ``device``, in eval mode;
+    None when the files are missing (the notebooks then train a model in place, as before the file existed)."""
+    if not (COURSE_MODEL / "config.json").is_file():
+        return None
+    import torch
+
+    from k3lab.hf.checkpoint import load_hf_checkpoint
+
+    loaded = load_hf_checkpoint(COURSE_MODEL, dtype=torch.float32, device=device, progress=False)
+    return loaded.model.eval()

@@ -91,7 +91,7 @@ class PrefixCache:
         self._index: dict[tuple, int] = {}
         self._next_id = 0
         self.bytes = {"device": 0, "host": 0}
-        self.counters = dict(requests=0, hit_requests=0, lookup_tokens=0, hit_tokens=0, time_saved_s=0.0,
+        self.counters = dict(requests=0, hit_requests=0, lookup_tokens=0, hit_tokens=0,
                              inserted=0, to_host=0, from_host=0, dropped=0, skipped=0)
 
     # --- bookkeeping ---------------------------------------------------------------------------
@@ -179,7 +179,6 @@ class PrefixCache:
         hit = len(chain) * N
         self.counters["hit_requests"] += 1
         self.counters["hit_tokens"] += hit
-        self.counters["time_saved_s"] += sum(e.compute_s for e in chain)
         leaf = chain[-1]
         layers = []
         for i, x in enumerate(leaf.layers):
