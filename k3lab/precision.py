@@ -495,7 +495,7 @@ class MasterWeightOptimizer:
                 if self.keep_grads:
                     self._launches[key] = launch
             beta1, beta2 = group["betas"]
-            launch.set_scalars(float(group["lr"]), beta1, beta2, group["weight_decay"], t)
+            launch.set_scalars(adamw_scalars(float(group["lr"]), beta1, beta2, group["weight_decay"], t))
             launches.append((launch, group, [s["step"] for _, _, s in members]))
         return launches
 

@@ -29,6 +29,16 @@ def test_interpreter_suite():
     run_interpreter_suite(__file__)
 
 
+def fused_step(*tensors, lr, beta1, beta2, eps, weight_decay, step):
+    """The fused kernel's step (``k3lab.kernels.adamw.master_adamw_step_``) with its scalars from the reference's
+    :func:`k3lab.precision.adamw_scalars` (imported here: the kernel module reads TRITON_INTERPRET when imported)."""
+    from k3lab.kernels.adamw import master_adamw_step_
+    from k3lab.precision import adamw_scalars
+
+    master_adamw_step_(*tensors, scalars=adamw_scalars(lr, beta1, beta2, weight_decay, step), beta1=beta1,
+                       beta2=beta2, eps=eps)
+
+
 def bf16_model(seed=0):
     """Layers of several sizes (one over a kernel block, 1-D biases without weight decay) in bf16."""
     torch.manual_seed(seed)
@@ -159,25 +169,23 @@ def test_fused_refusals_name_the_reason():
 
 
 def test_kernel_inputs_checked():
-    from k3lab.kernels.adamw import master_adamw_step_
-
     ok = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=1)
     f32, bf16 = (lambda *s: torch.zeros(*s)), (lambda *s: torch.zeros(*s, dtype=torch.bfloat16))
     lists = [[f32(4, 3), f32(2)], [bf16(4, 3), bf16(2)], [f32(4, 3), f32(2)], [f32(4, 3), f32(2)], [bf16(4, 3), bf16(2)]]
     clip = torch.ones(())
     with pytest.raises(ValueError, match=r"grads\[1\] must be a contiguous torch.bfloat16 tensor of shape \(2,\)"):
-        master_adamw_step_(lists[0], [bf16(4, 3), f32(2)], *lists[2:], clip, **ok)
+        fused_step(lists[0], [bf16(4, 3), f32(2)], *lists[2:], clip, **ok)
     with pytest.raises(ValueError, match=r"exp_avg_sqs\[0\] must be .* \(not contiguous\)"):
-        master_adamw_step_(*lists[:3], [f32(3, 4).t(), f32(2)], lists[4], clip, **ok)
+        fused_step(*lists[:3], [f32(3, 4).t(), f32(2)], lists[4], clip, **ok)
     with pytest.raises(ValueError, match=r"the five lists must have one length, got \[2, 2, 2, 2, 1\]"):
-        master_adamw_step_(*lists[:4], lists[4][:1], clip, **ok)
+        fused_step(*lists[:4], lists[4][:1], clip, **ok)
     with pytest.raises(ValueError, match="step=0: AdamW steps count from 1"):
-        master_adamw_step_(*lists, clip, **{**ok, "step": 0})
+        fused_step(*lists, clip, **{**ok, "step": 0})
     i16 = lambda *s: torch.zeros(*s, dtype=torch.int16)  # noqa: E731 — the split format's masters
     with pytest.raises(ValueError, match=r"masters\[1\] must be a contiguous torch.int16 tensor of shape \(2,\)"):
-        master_adamw_step_([i16(4, 3), f32(2)], *lists[1:], clip, **ok)
+        fused_step([i16(4, 3), f32(2)], *lists[1:], clip, **ok)
     with pytest.raises(ValueError, match=r"masters\[0\] must be a contiguous torch.float32 tensor .* got torch.int32"):
-        master_adamw_step_([torch.zeros(4, 3, dtype=torch.int32), f32(2)], *lists[1:], clip, **ok)
+        fused_step([torch.zeros(4, 3, dtype=torch.int32), f32(2)], *lists[1:], clip, **ok)
 
 
 def reference_bf16_moment_step(w, m, v, g, clip, *, lr, beta1, beta2, eps, weight_decay, step):
@@ -197,8 +205,6 @@ def test_bf16_moments_kernel_equals_the_plain_formula():
     """Three steps of the kernel with bf16 m and v, each against :func:`reference_bf16_moment_step` applied to
     the kernel's state before it: moments within one bf16 ulp (or float32 rounding where the two terms
     cancel), masters within float32 rounding, p = bf16(w)."""
-    from k3lab.kernels.adamw import master_adamw_step_
-
     gen = torch.Generator().manual_seed(3)
     shapes = [(70, 33), (5,), (2100,)]  # one tensor over a kernel block
     w = [torch.randn(*s, generator=gen).to(DEVICE) for s in shapes]
@@ -212,7 +218,7 @@ def test_bf16_moments_kernel_equals_the_plain_formula():
         ref = [reference_bf16_moment_step(x.clone(), a.clone(), b.clone(), gi, clip, step=step, **hyper)[:3]
                for x, a, b, gi in zip(w, m, v, g)]
         prev = {"exp_avg": [a.clone() for a in m], "exp_avg_sq": [b.clone() for b in v]}
-        master_adamw_step_(w, g, m, v, p, clip, step=step, **hyper)
+        fused_step(w, g, m, v, p, clip, step=step, **hyper)
         for i, (rw, rm, rv) in enumerate(ref):
             assert m[i].dtype == v[i].dtype == torch.bfloat16
             for name, got, want, beta, new in (("exp_avg", m[i], rm, 0.9, g[i].float()),
@@ -238,7 +244,6 @@ def test_reference_step_is_the_kernel(moments, master_format):
     against the kernel, three steps from one state, a clip active then not: masters and float32 moments within
     float32 rounding, bf16 moments and parameters within one bf16 rounding (Triton's interpreter evaluates the
     scalar terms such as 1 − β1 in double, a GPU fuses multiply-adds: the same formula, not the same bits)."""
-    from k3lab.kernels.adamw import master_adamw_step_
     from k3lab.precision import adamw_scalars, master_adamw_reference_
 
     gen = torch.Generator().manual_seed(5)
@@ -259,7 +264,7 @@ def test_reference_step_is_the_kernel(moments, master_format):
         grads = [torch.randn(*s, generator=gen).to(DEVICE, torch.bfloat16) for s in shapes]
         clip = torch.tensor(0.5 if step == 1 else 1.0, device=DEVICE)
         w, m, v, p = kernel
-        master_adamw_step_(w, grads, m, v, p, clip, step=step, **hyper)
+        fused_step(w, grads, m, v, p, clip, step=step, **hyper)
         scalars = torch.tensor(adamw_scalars(hyper["lr"], hyper["beta1"], hyper["beta2"], hyper["weight_decay"], step),
                                dtype=torch.float32, device=DEVICE)
         before = [[t.float() for t in ts] for ts in reference[1:3]]
@@ -351,8 +356,6 @@ def test_split_kernel_is_the_reference_split(moments):
     negative lo, NaN-making pairs — comes back as split_master(join_master(p, lo)): the kernel's join and split
     are the plain-torch ones, bit for bit. (2) Three steps from one w against the kernel on float32 masters:
     the joined master, m and v bit for bit; (p, lo) = split_master(w); p = the float32 run's bf16(w) off ties."""
-    from k3lab.kernels.adamw import master_adamw_step_
-
     gen = torch.Generator().manual_seed(5)
     shapes = [(70, 33), (12,), (2100,)]  # one tensor over a kernel block, partial blocks; (12,): the edges
     rand16 = lambda s: torch.randint(-2**15, 2**15, s, generator=gen, dtype=torch.int16)  # noqa: E731
@@ -365,7 +368,7 @@ def test_split_kernel_is_the_reference_split(moments):
     lo[1] = torch.tensor([b for _, b in edges], dtype=torch.int16).to(DEVICE)
     want = [split_master(join_master(a, b)) for a, b in zip(p, lo)]
     zeros = lambda dtype: [torch.zeros(s, dtype=dtype, device=DEVICE) for s in shapes]  # noqa: E731
-    master_adamw_step_(lo, zeros(torch.bfloat16), zeros(moments), zeros(moments), p, torch.ones((), device=DEVICE),
+    fused_step(lo, zeros(torch.bfloat16), zeros(moments), zeros(moments), p, torch.ones((), device=DEVICE),
                        lr=0.0, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0, step=1)
     for (want_p, want_lo), got_p, got_lo in zip(want, p, lo):
         assert torch.equal(got_p.view(torch.int16), want_p.view(torch.int16)) and torch.equal(got_lo, want_lo)
@@ -383,8 +386,8 @@ def test_split_kernel_is_the_reference_split(moments):
     for step in range(1, 4):
         g = [torch.randn(s, generator=gen).to(DEVICE, torch.bfloat16) for s in shapes]
         clip = torch.tensor(0.5 if step == 1 else 1.0, device=DEVICE)
-        master_adamw_step_(w, g, m32, v32, p_f32, clip, step=step, **hyper)
-        master_adamw_step_(lo, g, m16, v16, p_split, clip, step=step, **hyper)
+        fused_step(w, g, m32, v32, p_f32, clip, step=step, **hyper)
+        fused_step(lo, g, m16, v16, p_split, clip, step=step, **hyper)
         for i in range(len(shapes)):
             assert torch.equal(bits(join_master(p_split[i], lo[i])), bits(w[i])), (step, i)
             assert torch.equal(m16[i], m32[i]) and torch.equal(v16[i], v32[i]), (step, i)

@@ -61,7 +61,6 @@ import triton
 import triton.language as tl
 
 from k3lab.kernels.rounding import DTYPES, bf16_round_nearest_even
-from k3lab.precision import adamw_scalars  # noqa: F401 (the step's scalars, defined with the reference; re-exported)
 
 Tensor = torch.Tensor
 BLOCK = 2048  # elements per program (8 per thread at 8 warps)
@@ -204,7 +203,7 @@ class AdamWLaunch:
     once (``master_adamw_step_`` builds one per call; :class:`k3lab.precision.MasterWeightOptimizer` keeps
     them while the gradients stay the same tensors, so that a CUDA graph can replay the launch).
 
-    ``hyper`` is the launch's device buffer of :func:`adamw_scalars`; :meth:`set_scalars` writes it from the
+    ``hyper`` is the launch's device buffer of :func:`k3lab.precision.adamw_scalars`; :meth:`set_scalars` writes it from the
     host (stream-ordered), :meth:`launch` only reads it. Masters given as int16 tensors are the split format's
     low halves ``lo`` (the module docstring): the launch then rebuilds ``w`` from ``params`` and them.
     """
@@ -237,9 +236,10 @@ class AdamWLaunch:
         self.aligned = all(a % 16 == 0 for row in pointers for a in row)
         self.addresses = torch.tensor(pointers, dtype=torch.int64).to(device)  # [5, n]
 
-    def set_scalars(self, lr: float, beta1: float, beta2: float, weight_decay: float, step: int) -> None:
-        """Write :func:`adamw_scalars` into ``hyper`` (a host-to-device copy on the current stream)."""
-        self.hyper.copy_(torch.tensor(adamw_scalars(lr, beta1, beta2, weight_decay, step), dtype=torch.float32))
+    def set_scalars(self, scalars: tuple[float, float, float]) -> None:
+        """Write the step's three scalars (:func:`k3lab.precision.adamw_scalars`, computed by the caller) into
+        ``hyper`` (a host-to-device copy on the current stream)."""
+        self.hyper.copy_(torch.tensor(scalars, dtype=torch.float32))
 
     def launch(self, clip: Tensor, beta1: float, beta2: float, eps: float) -> None:
         """The update on every tensor of the lists, with the scalars in ``hyper`` and the clip coefficient ``clip``."""
@@ -254,16 +254,17 @@ class AdamWLaunch:
 
 
 def master_adamw_step_(masters: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
-                       params: list[Tensor], clip: Tensor, *, lr: float, beta1: float, beta2: float, eps: float,
-                       weight_decay: float, step: int) -> None:
+                       params: list[Tensor], clip: Tensor, *, scalars: tuple[float, float, float], beta1: float,
+                       beta2: float, eps: float) -> None:
     """The update of the module docstring for every tensor of the lists, in place on ``masters``,
     ``exp_avgs``, ``exp_avg_sqs`` (float32) and ``params`` (bf16), from ``grads`` (bf16) and ``clip``
-    (0-d float32), in one launch; ``step`` = t, counted from 1, the same for all.
+    (0-d float32), in one launch; ``scalars``: :func:`k3lab.precision.adamw_scalars` of the step (t counted from 1,
+    the same for all).
 
     The five tensors of each index must have one shape, be contiguous and on ``clip``'s device, the
     moments all float32 or all bf16, the masters all float32 or all int16 (the split format's ``lo``:
     ``params`` then hold the masters' high halves) (ValueError naming the list and index otherwise).
     """
     plan = AdamWLaunch(masters, grads, exp_avgs, exp_avg_sqs, params, clip.device)
-    plan.set_scalars(lr, beta1, beta2, weight_decay, step)
+    plan.set_scalars(scalars)
     plan.launch(clip, beta1, beta2, eps)
