@@ -194,8 +194,9 @@ class _ReferenceLaunch:
         self.members = list(zip(masters, grads, exp_avgs, exp_avg_sqs, params))
         self.hyper = torch.zeros(3, dtype=torch.float32, device=device)  # [decay, step_size, bc2_sqrt]
 
-    def set_scalars(self, lr: float, beta1: float, beta2: float, weight_decay: float, step: int) -> None:
-        self.hyper.copy_(torch.tensor(adamw_scalars(lr, beta1, beta2, weight_decay, step), dtype=torch.float32))
+    def set_scalars(self, scalars: tuple[float, float, float]) -> None:
+        """The step's :func:`adamw_scalars`, as the kernel's launch takes them."""
+        self.hyper.copy_(torch.tensor(scalars, dtype=torch.float32))
 
     def launch(self, clip: Tensor, beta1: float, beta2: float, eps: float) -> None:
         for w, g, m, v, p in self.members:
