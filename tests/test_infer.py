@@ -334,6 +334,29 @@ def test_bench_infer_cpu_smoke(tmp_path, capsys):
     assert capsys.readouterr().out.rstrip().splitlines()[-3].startswith("| decode at 32 tokens")
 
 
+def test_bench_generate_cpu_smoke(tmp_path, capsys):
+    """kernels/bench_generate.py at a tiny size on CPU: rows through generate() for two prompt lengths after a
+    warm-up, greedy tokens equal between the default decoder and "eager", the table printed last."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "kernels" / "bench_generate.py"
+    module_spec = importlib.util.spec_from_file_location("bench_generate", path)
+    bench = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(bench)
+    out = tmp_path / "bench.json"
+    assert bench.main(["--cpu-smoke", "--batches", "2", "--prompts", "9", "17", "--new", "4", "--no-anchor",
+                       "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    timed = {(r["impl"], r["prompt"]): r for r in rows if r["kind"] == "timed"}
+    assert len(timed) == 4 and all(r["tokens_per_s_row"] > 0 and r["floor_ms"] > 0 for r in timed.values())
+    for length in (9, 17):
+        assert timed[("k3lab generate(auto)", length)]["first_tokens"] == timed[("k3lab generate(eager)", length)][
+            "first_tokens"]
+    assert capsys.readouterr().out.rstrip().splitlines()[-1].startswith("| k3lab generate(eager) | tiny | 2 | 17 |")
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_decode_uses_the_triton_step_and_matches_torch():
