@@ -31,6 +31,7 @@ from torch import nn
 
 from k3lab.backend import resolve_backend
 from k3lab.config import ModelConfig
+from k3lab.linear import Linear
 from k3lab.losses import linear_cross_entropy
 from k3lab.mixers.kda import KDA
 from k3lab.mixers.mla import GatedMLA, qk_clip_
@@ -72,7 +73,7 @@ def build_mlp(cfg: ModelConfig, kind: str) -> tuple[str, nn.Module]:
     """(checkpoint attribute name, module) for an MLP of `kind` ("dense", "latent_moe", "moe")."""
     if kind == "dense":
         return "mlp", SiTUMLP(cfg.hidden_size, cfg.intermediate_size, beta=cfg.activation_situ_beta,
-                              linear_beta=cfg.activation_situ_linear_beta, act=cfg.hidden_act)
+                              linear_beta=cfg.activation_situ_linear_beta, act=cfg.hidden_act, backend=cfg.backend)
     if kind in ("latent_moe", "moe"):
         return "block_sparse_moe", LatentMoE(cfg)
     raise ValueError(f"mlp kind={kind!r}: allowed values are ('dense', 'latent_moe', 'moe')")
@@ -169,7 +170,7 @@ class MTPHead(nn.Module):
         D, eps, L = cfg.hidden_size, cfg.rms_norm_eps, cfg.num_hidden_layers
         self.enorm = nn.RMSNorm(D, eps=eps)
         self.hnorm = nn.RMSNorm(D, eps=eps)
-        self.eh_proj = nn.Linear(2 * D, D, bias=False)
+        self.eh_proj = Linear(2 * D, D, bias=False, backend=cfg.backend)
         self.block = K3DecoderLayer(cfg, L, is_mla=True, mlp_kind=cfg.mlp_kind_at(L - 1), use_attn_res=False)
         self.norm = nn.RMSNorm(D, eps=eps)
 
@@ -222,7 +223,7 @@ class K3ForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = K3Model(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False, backend=cfg.backend)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.mtp = MTPHead(cfg) if cfg.num_nextn_predict_layers == 1 else None

@@ -19,7 +19,9 @@ states read and written, the MLA latents at the row's mean context) over ``--hbm
 4.8). The peer, in the same invocation: fla's ``KDAForCausalLM`` decoded by transformers' ``generate`` at fla's
 anchor shape (pure KDA, 24 × 1024), beside k3lab's ``generate`` at the same shape (``kda-anchor``).
 ``--decoders`` adds rows for other decoders (``eager``: the reference path; ``compiled``: ``decoder="graph"`` with
-``k3lab.infer.static.COMPILE_GRAPHED`` on).
+``k3lab.infer.static.COMPILE_GRAPHED`` on; ``unfused``: the default with the fused decode kernels off — the GEMV of
+:mod:`k3lab.kernels.gemv` and the routed experts of :mod:`k3lab.kernels.moe_decode` — i.e. cuBLAS and the sorted
+grouped-GEMM path, the ablation of issue 36 item 2).
 
 The table at the end is the summary; ``--json`` (default ``runs/bench_generate.json``) gets every number.
 """
@@ -27,6 +29,7 @@ The table at the end is the summary; ``--json`` (default ``runs/bench_generate.j
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -46,7 +49,27 @@ from k3lab.config import DEVICES  # noqa: E402
 from k3lab.infer import GenerationStats, generate  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-DECODER_ROWS = ("auto", "eager", "compiled")  # "compiled": decoder="graph" with COMPILE_GRAPHED on
+DECODER_ROWS = ("auto", "eager", "compiled", "unfused")
+# "compiled": decoder="graph" with COMPILE_GRAPHED on; "unfused": decoder="auto" with the fused decode kernels off
+# (k3lab.kernels.gemv's GEMV and k3lab.kernels.moe_decode's routed experts: cuBLAS and the sorted grouped path)
+
+
+@contextlib.contextmanager
+def fused_decode_kernels(on: bool):
+    """The ablation switch of the ``unfused`` rows: the two row limits that route decode-sized calls to the fused
+    kernels set to 0 while off (a model's graphs are captured under it, so each decoder row gets its own model)."""
+    if on:
+        yield
+        return
+    import k3lab.kernels.gemv as gemv
+    import k3lab.moe.latent as latent
+
+    kept = gemv.GEMV_MAX_ROWS, latent.DECODE_MAX_SLOTS
+    gemv.GEMV_MAX_ROWS, latent.DECODE_MAX_SLOTS = 0, 0
+    try:
+        yield
+    finally:
+        gemv.GEMV_MAX_ROWS, latent.DECODE_MAX_SLOTS = kept
 
 
 def prompts_of(B: int, length: int, vocab: int, seed: int) -> torch.Tensor:
@@ -60,9 +83,9 @@ def run_generate(model, prompts: torch.Tensor, new: int, decoder: str) -> tuple[
     kept = static_mod.COMPILE_GRAPHED
     static_mod.COMPILE_GRAPHED = decoder == "compiled"
     try:
-        with torch.no_grad():
+        with torch.no_grad(), fused_decode_kernels(decoder != "unfused"):
             out = generate(model, prompts, new, eos_token_id=None, stats=st,
-                           decoder="graph" if decoder == "compiled" else decoder)
+                           decoder={"compiled": "graph", "unfused": "auto"}.get(decoder, decoder))
     finally:
         static_mod.COMPILE_GRAPHED = kept
     return st, out
@@ -161,11 +184,11 @@ def main(argv=None) -> int:
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     print(f"device {device} ({gpu or 'cpu'}), torch {torch.__version__}, preset {args.preset}, {args.dtype}", flush=True)
     rows: list[dict] = []
-    model = build(decode_config(args.preset, args.cpu_smoke), device, dtype)
-    for decoder in args.decoders:
+    for decoder in args.decoders:  # a model each: a decoder's buffers and graphs are kept per model
+        model = build(decode_config(args.preset, args.cpu_smoke), device, dtype)
         rows += rows_for(model, args.preset, decoder, args.batches, args.prompts, args.new, args.hbm_tb_s, device)
-    del model
-    reset_peak(device)
+        del model
+        reset_peak(device)
     if args.anchor:
         model = build(decode_config("kda-anchor", args.cpu_smoke), device, dtype)
         for B in sorted({args.batches[0], args.batches[-1]}):

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from k3lab.backend import resolve_backend
 from k3lab.config import KDA_GATE_LOWER_BOUND, KDA_GATES
+from k3lab.linear import Linear
 from k3lab.mixers.chunk import kda_chunk
 from k3lab.mixers.lineage import kda_recurrent
 
@@ -281,15 +282,16 @@ class KDA(nn.Module):
         self.kernel_recompute = False  # k3lab.memory "selective": the Triton op keeps only its inputs
         D = cfg.hidden_size
 
-        self.q_proj = nn.Linear(D, H * K, bias=False)
-        self.k_proj = nn.Linear(D, H * K, bias=False)
-        self.v_proj = nn.Linear(D, H * V, bias=False)
+        be = cfg.backend  # the projections' GEMV backend (k3lab.linear: Triton for decode-sized calls on CUDA)
+        self.q_proj = Linear(D, H * K, bias=False, backend=be)
+        self.k_proj = Linear(D, H * K, bias=False, backend=be)
+        self.v_proj = Linear(D, H * V, bias=False, backend=be)
         self.q_conv1d = ShortConvolution(H * K, W)
         self.k_conv1d = ShortConvolution(H * K, W)
         self.v_conv1d = ShortConvolution(H * V, W)
-        self.f_a_proj = nn.Linear(D, K, bias=False)  # W_α↓, rank = head_dim
-        self.f_b_proj = nn.Linear(K, H * K, bias=False)  # W_α↑
-        self.b_proj = nn.Linear(D, H, bias=False)  # β logits
+        self.f_a_proj = Linear(D, K, bias=False, backend=be)  # W_α↓, rank = head_dim
+        self.f_b_proj = Linear(K, H * K, bias=False, backend=be)  # W_α↑
+        self.b_proj = Linear(D, H, bias=False, backend=be)  # β logits
         if self.gate_kind == "k3":
             A_log = torch.zeros(H, dtype=torch.float32)  # K3-TR: A_h = 0 at init
         else:
@@ -299,12 +301,12 @@ class KDA(nn.Module):
         self.A_log._no_weight_decay = True
         self.dt_bias._no_weight_decay = True
         if lac["use_full_rank_gate"]:
-            self.g_proj = nn.Linear(D, H * V, bias=False)  # full-rank output gate (K3), not fla's low-rank one
+            self.g_proj = Linear(D, H * V, bias=False, backend=be)  # full-rank output gate (K3), not fla's low-rank one
         else:  # Kimi Linear: low-rank output gate of rank K, no biases (transformers' kimi_linear)
-            self.g_a_proj = nn.Linear(D, K, bias=False)  # W_g↓
-            self.g_b_proj = nn.Linear(K, H * V, bias=False)  # W_g↑
+            self.g_a_proj = Linear(D, K, bias=False, backend=be)  # W_g↓
+            self.g_b_proj = Linear(K, H * V, bias=False, backend=be)  # W_g↑
         self.o_norm = nn.RMSNorm(V, eps=cfg.rms_norm_eps)  # one [V] weight shared by all heads
-        self.o_proj = nn.Linear(H * V, D, bias=False)
+        self.o_proj = Linear(H * V, D, bias=False, backend=be)
         self.muon_head_splits = {"q_proj": H, "k_proj": H, "v_proj": H}
         self.cp = None  # a k3lab.parallel.context.CPContext: context-parallel forward (halo convs, KCP mix)
 

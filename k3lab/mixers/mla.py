@@ -38,6 +38,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from k3lab.config import ModelConfig
+from k3lab.linear import Linear
 
 Tensor = torch.Tensor
 
@@ -371,18 +372,19 @@ class GatedMLA(nn.Module):
         self.rope_theta = cfg.rope_theta
         self.use_output_gate = cfg.mla_use_output_gate
 
+        be = cfg.backend  # the projections' GEMV backend (k3lab.linear: Triton for decode-sized calls on CUDA)
         if cfg.q_lora_rank is None:  # Kimi Linear: one full-rank query projection, no latent
-            self.q_proj = nn.Linear(D, H * self.qk_head_dim, bias=False)
+            self.q_proj = Linear(D, H * self.qk_head_dim, bias=False, backend=be)
         else:
-            self.q_a_proj = nn.Linear(D, cfg.q_lora_rank, bias=False)
+            self.q_a_proj = Linear(D, cfg.q_lora_rank, bias=False, backend=be)
             self.q_a_layernorm = nn.RMSNorm(cfg.q_lora_rank, eps=MLA_LATENT_NORM_EPS)
-            self.q_b_proj = nn.Linear(cfg.q_lora_rank, H * self.qk_head_dim, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(D, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=False)
+            self.q_b_proj = Linear(cfg.q_lora_rank, H * self.qk_head_dim, bias=False, backend=be)
+        self.kv_a_proj_with_mqa = Linear(D, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=False, backend=be)
         self.kv_a_layernorm = nn.RMSNorm(cfg.kv_lora_rank, eps=MLA_LATENT_NORM_EPS)
-        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, H * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
+        self.kv_b_proj = Linear(cfg.kv_lora_rank, H * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False, backend=be)
         if self.use_output_gate:
-            self.g_proj = nn.Linear(D, H * cfg.v_head_dim, bias=False)
-        self.o_proj = nn.Linear(H * cfg.v_head_dim, D, bias=False)
+            self.g_proj = Linear(D, H * cfg.v_head_dim, bias=False, backend=be)
+        self.o_proj = Linear(H * cfg.v_head_dim, D, bias=False, backend=be)
 
         self.muon_head_splits = {"q_proj" if cfg.q_lora_rank is None else "q_b_proj": H, "kv_b_proj": H}
         self.attn_form = "auto"

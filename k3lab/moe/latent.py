@@ -17,7 +17,9 @@ Three separable pieces, so that expert parallelism replaces only the middle one:
 2. dispatch/combine: :class:`LocalDispatcher` sorts the N·k token slots by expert into contiguous groups
    and puts them back; LatentMoE makes one call, ``u = dispatcher.run(z, topk_idx, topk_weight, experts)``,
    which the expert-parallel dispatchers of :mod:`k3lab.parallel.expert` (plain EP, MoonEP) replace:
-   all-to-all to the ranks that compute, experts there, all-to-all back;
+   all-to-all to the ranks that compute, experts there, all-to-all back. Decoding (N·k ≤ 128 slots, CUDA,
+   backend triton, no gradient: :func:`use_decode_kernel`) skips the sort: the fused kernel of
+   :mod:`k3lab.kernels.moe_decode` reads each slot's expert weights directly;
 3. expert compute: :class:`RoutedExperts` on the sorted slots: a reference loop over experts, a
    grouped-GEMM path (``torch.nn.functional.grouped_mm``, CUDA + bf16) and a padded batched-matmul path
    (few large ops instead of many small ones: the fast choice on CPU), all three equal.
@@ -37,6 +39,7 @@ from torch import Tensor, nn
 
 from k3lab.backend import resolve_backend
 from k3lab.config import BACKENDS, HIDDEN_ACTS
+from k3lab.linear import Linear
 from k3lab.moe.router import SigmoidRouter, expert_load, make_balancer
 from k3lab.moe.situ import SiTUMLP, glu_activation, glu_down
 
@@ -238,6 +241,24 @@ class RoutedExperts(nn.Module):
 # ----------------------------------------------------------------------------------------------
 # LatentMoE
 # ----------------------------------------------------------------------------------------------
+DECODE_MAX_SLOTS = 128  # N·k at most for the fused decode kernel (k3lab.kernels.moe_decode.MAX_SLOTS refuses more)
+DECODE_DTYPES = (torch.bfloat16, torch.float32)  # compute and weight dtypes the decode kernel reads
+
+
+def use_decode_kernel(dispatcher, device: torch.device | str, num_slots: int, needs_grad: bool,
+                      dtypes: tuple[torch.dtype, ...]) -> bool:
+    """Whether LatentMoE's routed experts run as the fused small-batch kernel
+    (:func:`k3lab.kernels.moe_decode.routed_experts_decode`: each slot reads its expert's weights, no sort) instead
+    of ``dispatcher.run``. All must hold: ``dispatcher`` is the plain :class:`LocalDispatcher` (the expert-parallel
+    ones keep their own run), ``device`` is CUDA and the dispatcher's backend resolves to "triton" there, no
+    gradient is needed, ``num_slots`` (N·k) ≤ :data:`DECODE_MAX_SLOTS`, and every one of ``dtypes`` (the compute
+    dtype and the experts' weights') is in :data:`DECODE_DTYPES`."""
+    device = torch.device(device)
+    return (type(dispatcher) is LocalDispatcher and device.type == "cuda" and not needs_grad
+            and resolve_backend(dispatcher.backend, device) == "triton" and num_slots <= DECODE_MAX_SLOTS
+            and all(dt in DECODE_DTYPES for dt in dtypes))
+
+
 class LatentMoE(nn.Module):
     """K3's Stable LatentMoE (``cfg.mlp_kind == "latent_moe"``) or a standard MoE (``"moe"``).
 
@@ -257,13 +278,14 @@ class LatentMoE(nn.Module):
         act = dict(beta=cfg.activation_situ_beta, linear_beta=cfg.activation_situ_linear_beta, act=cfg.hidden_act)
 
         self.gate = SigmoidRouter(D, E, self.top_k, cfg.routed_scaling_factor, cfg.moe_renormalize,
-                                  init_std=cfg.initializer_range)
+                                  init_std=cfg.initializer_range, backend=cfg.backend)
         if self.latent:
-            self.routed_expert_down_proj = nn.Linear(D, L, bias=False)              # W↓ [L, D]
+            self.routed_expert_down_proj = Linear(D, L, bias=False, backend=cfg.backend)  # W↓ [L, D]
             self.routed_expert_norm = nn.RMSNorm(L, eps=cfg.rms_norm_eps) if cfg.latent_moe_use_norm else None
-            self.routed_expert_up_proj = nn.Linear(L, D, bias=False)                # W↑ [D, L]
+            self.routed_expert_up_proj = Linear(L, D, bias=False, backend=cfg.backend)    # W↑ [D, L]
         self.experts = RoutedExperts(E, L, I, init_std=cfg.initializer_range, impl=expert_impl, **act)
-        self.shared_experts = SiTUMLP(D, cfg.n_shared_experts * I, **act) if cfg.n_shared_experts > 0 else None
+        self.shared_experts = (SiTUMLP(D, cfg.n_shared_experts * I, **act, backend=cfg.backend)
+                               if cfg.n_shared_experts > 0 else None)
         self.dispatcher = LocalDispatcher(cfg.backend)
         self.balancer = make_balancer(cfg.balancer, self.gate, num_bins=cfg.qb_num_bins,
                                       aux_loss_coef=cfg.aux_loss_coef)
@@ -275,7 +297,7 @@ class LatentMoE(nn.Module):
         route = self.gate(h)
         self.aux_loss = self.balancer.observe(route) if self.training else None
         z = self.routed_expert_down_proj(h) if self.latent else h                   # [N, L]
-        u = self.dispatcher.run(z, route.topk_idx, route.topk_weight, self.experts)  # [N, L] fp32
+        u = self.routed(z, route.topk_idx, route.topk_weight)                       # [N, L] fp32
         if self.latent:
             if self.routed_expert_norm is not None:
                 u = F.rms_norm(u, (u.shape[-1],), self.routed_expert_norm.weight.float(), self.eps)
@@ -284,6 +306,21 @@ class LatentMoE(nn.Module):
         if self.shared_experts is not None:
             y = y + self.shared_experts(h)
         return y.view(B, T, D)
+
+    def routed(self, z: Tensor, topk_idx: Tensor, topk_weight: Tensor) -> Tensor:
+        """z [N, L], topk_idx [N, k], topk_weight [N, k] -> u [N, L] fp32 = Σ_j p_j·E_{T_j}(z): the fused decode
+        kernel where :func:`use_decode_kernel` allows it (z cast to the autocast dtype first, as
+        :meth:`RoutedExperts.forward` casts), else ``self.dispatcher.run``."""
+        e = self.experts
+        dtype = torch.get_autocast_dtype("cuda") if z.is_cuda and torch.is_autocast_enabled("cuda") else z.dtype
+        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (z, topk_weight, e.w1, e.w3, e.w2))
+        dtypes = (dtype, e.w1.dtype, e.w3.dtype, e.w2.dtype)
+        if use_decode_kernel(self.dispatcher, z.device, topk_idx.numel(), needs_grad, dtypes):
+            from k3lab.kernels.moe_decode import routed_experts_decode  # triton: imported on the CUDA path only
+
+            return routed_experts_decode(z.to(dtype), topk_idx, topk_weight.float(), e.w1, e.w3, e.w2, e.act, e.beta,
+                                         e.linear_beta)
+        return self.dispatcher.run(z, topk_idx, topk_weight, e)
 
     def after_optimizer_step(self) -> None:
         """Move the router bias from this step's statistics (used from the next step on)."""

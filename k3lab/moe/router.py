@@ -36,10 +36,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from k3lab.config import BALANCERS
+from k3lab.config import BACKENDS, BALANCERS
+from k3lab.linear import linear
 
 
 @dataclass
@@ -55,15 +55,18 @@ class RouterOutput:
 class SigmoidRouter(nn.Module):
     """``weight [E, D]`` and ``e_score_correction_bias [E]`` (fp32, ``requires_grad=False``).
 
-    forward(x [N, D]) -> RouterOutput.
+    forward(x [N, D]) -> RouterOutput. The float32 scores ``x W^T`` go through :func:`k3lab.linear.linear` on
+    ``backend`` (``triton``: decode-sized no-grad calls by the Triton GEMV; the MoE passes ``cfg.backend``).
     """
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, routed_scaling_factor: float = 1.0,
-                 renormalize: bool = True, init_std: float = 0.02):
+                 renormalize: bool = True, init_std: float = 0.02, backend: str = "torch"):
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k={top_k}: must be in [1, num_experts={num_experts}]")
-        self.num_experts, self.top_k = num_experts, top_k
+        if backend not in BACKENDS:
+            raise ValueError(f"backend={backend!r}: allowed values are {BACKENDS}")
+        self.num_experts, self.top_k, self.backend = num_experts, top_k, backend
         self.routed_scaling_factor, self.renormalize = routed_scaling_factor, renormalize
         self.weight = nn.Parameter(torch.randn(num_experts, hidden_size) * init_std)
         self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts), requires_grad=False)
@@ -75,7 +78,7 @@ class SigmoidRouter(nn.Module):
         return self
 
     def forward(self, x: Tensor) -> RouterOutput:
-        scores = torch.sigmoid(F.linear(x.float(), self.weight.float()))  # [N, E]
+        scores = torch.sigmoid(linear(x.float(), self.weight.float(), None, self.backend))  # [N, E]
         return route_scores(scores, self.e_score_correction_bias, self.top_k, self.routed_scaling_factor,
                             self.renormalize)
 

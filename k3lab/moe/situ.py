@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from k3lab.config import HIDDEN_ACTS
+from k3lab.linear import Linear
 
 
 def _compute_dtype(x: Tensor) -> torch.dtype:
@@ -276,18 +277,20 @@ class SiTUMLP(nn.Module):
     """Dense gated MLP ``down_proj(act(gate_proj x, up_proj x))`` with no biases (docs/k3_reference.md §6).
 
     Used for the dense first layer (width ``intermediate_size``) and the shared experts
-    (width ``n_shared_experts·moe_intermediate_size``). x: [..., D] -> [..., D].
+    (width ``n_shared_experts·moe_intermediate_size``). x: [..., D] -> [..., D]. ``backend``: the projections'
+    (:class:`k3lab.linear.Linear`: on ``triton``, decode-sized calls by the Triton GEMV); the model passes
+    ``cfg.backend``.
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, beta: float = 4.0, linear_beta: float = 25.0,
-                 act: str = "situ"):
+                 act: str = "situ", backend: str = "torch"):
         super().__init__()
         if act not in HIDDEN_ACTS:
             raise ValueError(f"act={act!r}: allowed values are {HIDDEN_ACTS}")
         self.act, self.beta, self.linear_beta = act, beta, linear_beta
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_proj = Linear(hidden_size, intermediate_size, bias=False, backend=backend)
+        self.up_proj = Linear(hidden_size, intermediate_size, bias=False, backend=backend)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=False, backend=backend)
         self.fuse_down = True  # with grad: act + down_proj as one node (glu_down: h recomputed in backward); False: down_proj(h)
 
     def forward(self, x: Tensor) -> Tensor:
