@@ -208,23 +208,31 @@ def test_best_lr_keeps_the_run_with_the_highest_mean_recall():
         train_mqar_best_lr("kda", (1,), [], **kw)
 
 
-@pytest.mark.parametrize("name,baseline", [("15_scale3", "mla"), ("15_scale3rope", "mla+rope")])
-def test_scaling_verdicts_are_recomputed_from_the_committed_runs(name, baseline):
-    """SCALE-3's ledger row re-read from its runs: the multiplier and interval fitted again from the committed runs
-    file (the notebook's fit, bootstrap seed and draws) equal what the executed GPU notebook printed, and the ledger row
-    and notebook 15's text quote that number."""
+FULL_GRID = [(w, s) for w in (64, 96, 128, 192) for s in (0, 1, 2)]
+
+
+@pytest.mark.parametrize("name,claim,baseline,variant,paper,missing", [
+    ("15_scale3", "SCALE-3", "mla", "hybrid", 1.16, []),
+    ("15_scale3rope", "SCALE-3", "mla+rope", "hybrid", 1.16, []),
+    ("15_ar3", "AR-3", "hybrid", "hybrid+attnres", 1.25, [(192, 2)]),  # cut by the call's budget (docs/scaling_laws.md §5)
+])
+def test_scaling_verdicts_are_recomputed_from_the_committed_runs(name, claim, baseline, variant, paper, missing):
+    """SCALE-3's and AR-3's ledger rows re-read from their runs: the multiplier and interval fitted again from the
+    committed runs file (the notebook's fit, bootstrap seed and draws) equal what the executed GPU notebook printed,
+    and the ledger row and notebook 15's text quote that number; the runs present are the grid less the ones named
+    as missing."""
     from k3lab.experiments.scaling import fit_runs
     from k3lab.experiments.scaling_fit import PFLOPS_DAY, compute_multiplier, verdict
 
     folder = ROOT / "notebooks" / "gpu_runs"
     records = [json.loads(line) for line in (folder / f"{name}.runs.jsonl").read_text().splitlines()]
     data = {}
-    for v in (baseline, "hybrid"):
+    for v in (baseline, variant):
         data[v] = [dict(r, compute=r["compute"] / PFLOPS_DAY) for r in fit_runs(records, v)]
-        assert sorted({(r["size"], r["seed"]) for r in data[v]}) == [(w, s) for w in (64, 96, 128, 192)
-                                                                    for s in (0, 1, 2)]
-    M = compute_multiplier(data[baseline], data["hybrid"], n_boot=1000, seed=2)
-    line = f"VERDICT SCALE-3: {verdict(M, 1.16)} — {M.summary()} (paper 1.16x), 3 seeds x 4 widths"
+        expected = [p for p in FULL_GRID if v == baseline or p not in missing]
+        assert sorted({(r["size"], r["seed"]) for r in data[v]}) == expected
+    M = compute_multiplier(data[baseline], data[variant], n_boot=1000, seed=2)
+    line = f"VERDICT {claim}: {verdict(M, paper)} — {M.summary()} (paper {paper}x), 3 seeds x 4 widths"
     assert line in (folder / f"{name}.ipynb").read_text(), line
     quoted = M.summary().split(" at ")[0]  # e.g. "1.82× [1.46, 2.25]"
     assert quoted in (ROOT / "docs" / "claims.md").read_text()

@@ -28,7 +28,7 @@ ROOT = HERE.parents[1]
 LEDGER = ROOT / "docs" / "claims.md"
 VERDICT_RE = re.compile(r"^VERDICT ([A-Z]+-\d+): (.+?) — (.*)$")
 ROW_RE = re.compile(r"^\|\s*([A-Z]+-\d+)\s*\|(.*)\|\s*$", re.MULTILINE)
-STATUS_WORDS = {"not tested": "not yet tested"}
+STATUS_WORDS = {"not tested": "not yet tested", "reproduced": "confirmed"}  # notebook 15's rule words -> the ledger's
 NOT_TESTED = "not yet tested"  # a run that judged nothing (too few seeds): cited, but it sets no status
 
 
