@@ -186,7 +186,11 @@ def main(argv=None) -> int:
     rows: list[dict] = []
     for decoder in args.decoders:  # a model each: a decoder's buffers and graphs are kept per model
         model = build(decode_config(args.preset, args.cpu_smoke), device, dtype)
-        rows += rows_for(model, args.preset, decoder, args.batches, args.prompts, args.new, args.hbm_tb_s, device)
+        try:
+            rows += rows_for(model, args.preset, decoder, args.batches, args.prompts, args.new, args.hbm_tb_s, device)
+        except Exception as err:  # keep the run going (the other decoders' rows still come); the row says what failed
+            rows.append(dict(impl=f"k3lab generate({decoder})", model=args.preset, B=0, error=repr(err)[:300]))
+            print(json.dumps(rows[-1]), flush=True)
         del model
         reset_peak(device)
     if args.anchor:
