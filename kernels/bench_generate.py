@@ -19,9 +19,9 @@ states read and written, the MLA latents at the row's mean context) over ``--hbm
 4.8). The peer, in the same invocation: fla's ``KDAForCausalLM`` decoded by transformers' ``generate`` at fla's
 anchor shape (pure KDA, 24 × 1024), beside k3lab's ``generate`` at the same shape (``kda-anchor``).
 ``--decoders`` adds rows for other decoders (``eager``: the reference path; ``compiled``: ``decoder="graph"`` with
-``k3lab.infer.static.COMPILE_GRAPHED`` on; ``unfused``: the default with the fused decode kernels off — the GEMV of
-:mod:`k3lab.kernels.gemv` and the routed experts of :mod:`k3lab.kernels.moe_decode` — i.e. cuBLAS and the sorted
-grouped-GEMM path, the ablation of issue 36 item 2).
+``k3lab.infer.static.COMPILE_GRAPHED`` on; ``fused``: the default with the fused decode kernels switched on — the GEMV
+of :mod:`k3lab.kernels.gemv` in place of cuBLAS and the routed experts of :mod:`k3lab.kernels.moe_decode` in place of
+the sorted grouped-GEMM path, issue 36 item 2; both are off by default until this comparison is measured).
 
 The table at the end is the summary; ``--json`` (default ``runs/bench_generate.json``) gets every number.
 """
@@ -49,27 +49,26 @@ from k3lab.config import DEVICES  # noqa: E402
 from k3lab.infer import GenerationStats, generate  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-DECODER_ROWS = ("auto", "eager", "compiled", "unfused")
-# "compiled": decoder="graph" with COMPILE_GRAPHED on; "unfused": decoder="auto" with the fused decode kernels off
-# (k3lab.kernels.gemv's GEMV and k3lab.kernels.moe_decode's routed experts: cuBLAS and the sorted grouped path)
+DECODER_ROWS = ("auto", "eager", "compiled", "fused")
+# "compiled": decoder="graph" with COMPILE_GRAPHED on; "fused": decoder="auto" with the fused decode kernels switched
+# on (k3lab.kernels.gemv's GEMV and k3lab.kernels.moe_decode's routed experts; off by default until timed)
 
 
 @contextlib.contextmanager
 def fused_decode_kernels(on: bool):
-    """The ablation switch of the ``unfused`` rows: the two row limits that route decode-sized calls to the fused
-    kernels set to 0 while off (a model's graphs are captured under it, so each decoder row gets its own model)."""
-    if on:
+    """The switch of the ``fused`` rows: both kernels' ``ENABLED`` on while inside (a model's graphs are captured under
+    it, so each decoder row gets its own model); ``on=False`` leaves the defaults."""
+    if not on:
         yield
         return
-    import k3lab.kernels.gemv as gemv
-    import k3lab.moe.latent as latent
+    from k3lab.kernels import gemv, moe_decode
 
-    kept = gemv.GEMV_MAX_ROWS, latent.DECODE_MAX_SLOTS
-    gemv.GEMV_MAX_ROWS, latent.DECODE_MAX_SLOTS = 0, 0
+    kept = gemv.ENABLED, moe_decode.ENABLED
+    gemv.ENABLED = moe_decode.ENABLED = True
     try:
         yield
     finally:
-        gemv.GEMV_MAX_ROWS, latent.DECODE_MAX_SLOTS = kept
+        gemv.ENABLED, moe_decode.ENABLED = kept
 
 
 def prompts_of(B: int, length: int, vocab: int, seed: int) -> torch.Tensor:
@@ -83,9 +82,9 @@ def run_generate(model, prompts: torch.Tensor, new: int, decoder: str) -> tuple[
     kept = static_mod.COMPILE_GRAPHED
     static_mod.COMPILE_GRAPHED = decoder == "compiled"
     try:
-        with torch.no_grad(), fused_decode_kernels(decoder != "unfused"):
+        with torch.no_grad(), fused_decode_kernels(decoder == "fused"):
             out = generate(model, prompts, new, eos_token_id=None, stats=st,
-                           decoder={"compiled": "graph", "unfused": "auto"}.get(decoder, decoder))
+                           decoder={"compiled": "graph", "fused": "auto"}.get(decoder, decoder))
     finally:
         static_mod.COMPILE_GRAPHED = kept
     return st, out

@@ -39,6 +39,13 @@ needs_kernels = pytest.mark.skipif(not KERNELS_RUN_HERE, reason="runs in test_in
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
+@pytest.fixture(autouse=True)
+def kernel_switched_on(monkeypatch):
+    """The kernel is off by default until timed on a GPU (``k3lab.kernels.gemv.ENABLED``); these tests test it on."""
+    from k3lab.kernels import gemv as module
+
+    monkeypatch.setattr(module, "ENABLED", True)
+
 def inputs(N, M, K, dtype, bias=True, seed=0, device=DEVICE):
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(N, K, generator=gen)

@@ -33,6 +33,14 @@ needs_kernels = pytest.mark.skipif(not KERNELS_RUN_HERE, reason="runs in test_in
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
+@pytest.fixture(autouse=True)
+def kernel_switched_on(monkeypatch):
+    """The kernel is off by default until timed on a GPU (``k3lab.kernels.moe_decode.ENABLED``); these tests test it on."""
+    from k3lab.kernels import moe_decode as module
+
+    monkeypatch.setattr(module, "ENABLED", True)
+
+
 @pytest.mark.skipif(KERNELS_RUN_HERE, reason="the kernel tests run directly here")
 def test_interpreter_suite():
     """Run this file's kernel tests on CPU under TRITON_INTERPRET=1 in a fresh interpreter."""

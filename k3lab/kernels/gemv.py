@@ -58,6 +58,8 @@ from k3lab.kernels.rounding import bf16_round_if
 
 Tensor = torch.Tensor
 
+ENABLED = False  # k3lab.linear.linear sends eligible calls here only when True: off until timed on a GPU (issue 36:
+# `pytest -m gpu tests/test_gemv_kernel.py`, `kernels/bench_generate.py --decoders auto fused`); True: on
 GEMV_MAX_ROWS = 16  # rows of x (tokens) a call takes: a decode step's batch (× draft tokens)
 GEMV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # x, W and b share one of these
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -276,5 +278,5 @@ def small_linear_reference(x: Tensor, weight: Tensor, bias: Tensor | None = None
     return out.to(x.dtype)
 
 
-__all__ = ["GEMV_MAX_ROWS", "GEMV_DTYPES", "LAUNCH", "launch_config", "num_k_splits", "small_linear",
+__all__ = ["ENABLED", "GEMV_MAX_ROWS", "GEMV_DTYPES", "LAUNCH", "launch_config", "num_k_splits", "small_linear",
            "small_linear_reference"]

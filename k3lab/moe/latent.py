@@ -18,8 +18,9 @@ Three separable pieces, so that expert parallelism replaces only the middle one:
    and puts them back; LatentMoE makes one call, ``u = dispatcher.run(z, topk_idx, topk_weight, experts)``,
    which the expert-parallel dispatchers of :mod:`k3lab.parallel.expert` (plain EP, MoonEP) replace:
    all-to-all to the ranks that compute, experts there, all-to-all back. Decoding (N·k ≤ 128 slots, CUDA,
-   backend triton, no gradient: :func:`use_decode_kernel`) skips the sort: the fused kernel of
-   :mod:`k3lab.kernels.moe_decode` reads each slot's expert weights directly;
+   backend triton, no gradient: :func:`use_decode_kernel`) can skip the sort: the fused kernel of
+   :mod:`k3lab.kernels.moe_decode` reads each slot's expert weights directly (switched on by its ``ENABLED``,
+   off until timed on a GPU);
 3. expert compute: :class:`RoutedExperts` on the sorted slots: a reference loop over experts, a
    grouped-GEMM path (``torch.nn.functional.grouped_mm``, CUDA + bf16) and a padded batched-matmul path
    (few large ops instead of many small ones: the fast choice on CPU), all three equal.
@@ -309,17 +310,18 @@ class LatentMoE(nn.Module):
 
     def routed(self, z: Tensor, topk_idx: Tensor, topk_weight: Tensor) -> Tensor:
         """z [N, L], topk_idx [N, k], topk_weight [N, k] -> u [N, L] fp32 = Σ_j p_j·E_{T_j}(z): the fused decode
-        kernel where :func:`use_decode_kernel` allows it (z cast to the autocast dtype first, as
-        :meth:`RoutedExperts.forward` casts), else ``self.dispatcher.run``."""
+        kernel where :func:`use_decode_kernel` allows it and ``k3lab.kernels.moe_decode.ENABLED`` is on (z cast to the
+        autocast dtype first, as :meth:`RoutedExperts.forward` casts), else ``self.dispatcher.run``."""
         e = self.experts
         dtype = torch.get_autocast_dtype("cuda") if z.is_cuda and torch.is_autocast_enabled("cuda") else z.dtype
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (z, topk_weight, e.w1, e.w3, e.w2))
         dtypes = (dtype, e.w1.dtype, e.w3.dtype, e.w2.dtype)
         if use_decode_kernel(self.dispatcher, z.device, topk_idx.numel(), needs_grad, dtypes):
-            from k3lab.kernels.moe_decode import routed_experts_decode  # triton: imported on the CUDA path only
+            from k3lab.kernels import moe_decode  # triton: imported on the CUDA path only
 
-            return routed_experts_decode(z.to(dtype), topk_idx, topk_weight.float(), e.w1, e.w3, e.w2, e.act, e.beta,
-                                         e.linear_beta)
+            if moe_decode.ENABLED:  # the switch (off until timed on a GPU)
+                return moe_decode.routed_experts_decode(z.to(dtype), topk_idx, topk_weight.float(), e.w1, e.w3, e.w2,
+                                                        e.act, e.beta, e.linear_beta)
         return self.dispatcher.run(z, topk_idx, topk_weight, e)
 
     def after_optimizer_step(self) -> None:
