@@ -78,3 +78,21 @@ def load_script(path, name: str):
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def k3lab_imports(path, top_level_only: bool = False) -> set[str]:
+    """The k3lab modules a source file imports (``from k3lab.kernels import x`` counts as ``k3lab.kernels.x``), at any
+    depth or, with ``top_level_only``, at module level only: the layering tests' reading of a file."""
+    import ast
+    from pathlib import Path
+
+    tree = ast.parse(Path(path).read_text(encoding="utf-8"))
+    nodes = tree.body if top_level_only else ast.walk(tree)
+    names = set()
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.update([node.module] if node.module != "k3lab.kernels" else
+                         [f"k3lab.kernels.{a.name}" for a in node.names])
+    return {n for n in names if n.startswith("k3lab")}

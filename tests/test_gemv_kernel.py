@@ -14,7 +14,6 @@ Tolerances (relative error ‖got − ref‖ / ‖ref‖ against :func:`small_li
   results differ by one ulp of the dtype (2⁻⁸ / 2⁻¹¹ relative), elsewhere they agree: 1e-2 / 3e-3.
 """
 
-import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -29,7 +28,8 @@ from k3lab.kernels import gemv
 from k3lab.kernels.gemv import (GEMV_DTYPES, GEMV_MAX_ROWS, LAUNCH, launch_config, num_k_splits, small_linear,
                                 small_linear_reference)
 from k3lab.linear import Linear, linear, small_linear_applies
-from k3lab.testing import KERNEL_DEVICE, KERNELS_RUN_HERE, assert_close, rel_err, run_interpreter_suite
+from k3lab.testing import (KERNEL_DEVICE, KERNELS_RUN_HERE, assert_close, k3lab_imports, rel_err,
+                           run_interpreter_suite)
 
 DEVICE = KERNEL_DEVICE
 ROOT = Path(__file__).resolve().parents[1]
@@ -323,16 +323,7 @@ def test_model_layers_carry_the_config_backend():
 def test_gemv_modules_import_no_upper_layer():
     """k3lab/kernels/gemv.py imports only torch, triton and k3lab.kernels; k3lab/linear.py only k3lab.backend and
     k3lab.config at module level (the kernel module lazily, on the CUDA path): no moe, mixers, model or infer."""
-    def imports(path, top_level_only=False):
-        tree = ast.parse(path.read_text(encoding="utf-8"))
-        nodes = tree.body if top_level_only else ast.walk(tree)
-        names = set()
-        for node in nodes:
-            if isinstance(node, ast.Import):
-                names.update(a.name for a in node.names)
-            elif isinstance(node, ast.ImportFrom):
-                names.add(node.module)
-        return {n for n in names if n.startswith("k3lab")}
+    imports = k3lab_imports
 
     assert imports(ROOT / "k3lab" / "kernels" / "gemv.py") == {"k3lab.kernels.mla_decode", "k3lab.kernels.rounding"}
     assert imports(ROOT / "k3lab" / "linear.py", top_level_only=True) == {"k3lab.backend", "k3lab.config"}

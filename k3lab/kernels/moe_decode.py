@@ -47,7 +47,7 @@ import triton
 import triton.language as tl
 
 from k3lab.config import HIDDEN_ACTS
-from k3lab.kernels.rounding import DTYPES, bf16_round_if, bf16_round_nearest_even
+from k3lab.kernels.rounding import DTYPES, bf16_round_if, bf16_round_if_f32
 
 Tensor = torch.Tensor
 
@@ -65,15 +65,6 @@ LAUNCH = dict(up_block_i=16, up_block_l=128, down_block_l=8, down_block_i=256)
 # ----------------------------------------------------------------------------------------------
 # kernels
 # ----------------------------------------------------------------------------------------------
-@triton.jit
-def _round_if(x, BF16: tl.constexpr):
-    """float32 ``x`` rounded to bf16 and held in float32 when ``BF16``, else ``x``."""
-    if BF16:
-        return bf16_round_nearest_even(x).to(tl.float32)
-    else:
-        return x
-
-
 @triton.jit
 def _tanh(x):
     """tanh in float32: ``sign(x)·(1 − e)/(1 + e)``, ``e = exp(−2|x|)``; for |x| < 1/4 the odd Taylor series to x⁹
@@ -116,10 +107,10 @@ def _decode_up_kernel(Z, IDX, W1, W3, H, I, L, beta, linear_beta,
         z = tl.load(Z + n * L + cols, mask=col_ok, other=0.0).to(tl.float32)        # [BLOCK_L]
         w1 = tl.load(W1 + e * s1_e + rows[:, None] * s1_i + cols[None, :] * s1_l, mask=mask, other=0.0)
         w3 = tl.load(W3 + e * s3_e + rows[:, None] * s3_i + cols[None, :] * s3_l, mask=mask, other=0.0)
-        acc_g += _round_if(w1.to(tl.float32), ROUND_W1) * z[None, :]               # [BLOCK_I, BLOCK_L]
-        acc_u += _round_if(w3.to(tl.float32), ROUND_W3) * z[None, :]
-    gate = _round_if(tl.sum(acc_g, 1), BF16)                                        # [BLOCK_I], as the GEMM rounds
-    up = _round_if(tl.sum(acc_u, 1), BF16)
+        acc_g += bf16_round_if_f32(w1.to(tl.float32), ROUND_W1) * z[None, :]               # [BLOCK_I, BLOCK_L]
+        acc_u += bf16_round_if_f32(w3.to(tl.float32), ROUND_W3) * z[None, :]
+    gate = bf16_round_if_f32(tl.sum(acc_g, 1), BF16)                                     # [BLOCK_I], as the GEMM rounds
+    up = bf16_round_if_f32(tl.sum(acc_u, 1), BF16)
     h = _glu(gate, up, beta, linear_beta, SITU)                                     # float32
     tl.store(H + s * I + rows, bf16_round_if(h, BF16), mask=row_ok)                 # rounded to the compute dtype
 
@@ -144,8 +135,8 @@ def _decode_down_kernel(H, IDX, P, W2, U, I, L, s2_e, s2_l, s2_i,
             h = tl.load(H + s * I + ks, mask=k_ok, other=0.0).to(tl.float32)       # [BLOCK_I]
             w2 = tl.load(W2 + e * s2_e + cols[:, None] * s2_l + ks[None, :] * s2_i,
                          mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-            acc += _round_if(w2.to(tl.float32), ROUND_W2) * h[None, :]             # [BLOCK_L, BLOCK_I]
-        y = _round_if(tl.sum(acc, 1), BF16)                                         # [BLOCK_L] the expert's output
+            acc += bf16_round_if_f32(w2.to(tl.float32), ROUND_W2) * h[None, :]             # [BLOCK_L, BLOCK_I]
+        y = bf16_round_if_f32(tl.sum(acc, 1), BF16)                                      # [BLOCK_L] the expert's output
         u += p * y                                                                  # bf16 × fp32 -> fp32
     tl.store(U + n * L + cols, u, mask=col_ok)
 

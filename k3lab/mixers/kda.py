@@ -77,6 +77,26 @@ def kda_backend(backend: str, device, bounded_gate: bool, fla_importable=fla_ava
     return resolved
 
 
+FUSED_DECODE_DTYPES = (torch.bfloat16, torch.float32)  # activation dtypes the fused decode kernel takes
+
+
+def use_fused_decode(backend: str, device, tokens: int, needs_grad: bool, gate_kind: str, lower_bound: float,
+                     dtypes: tuple, *, has_cache: bool = True, autocast: bool = False,
+                     context_parallel: bool = False) -> bool:
+    """Whether a KDA forward runs as the fused one-token decode kernel (:mod:`k3lab.kernels.kda_decode_fused`:
+    convs + SiLU, l2 norms, gate, β and the recurrence in one launch; taken only while its ``ENABLED`` is on).
+    All must hold: ``device`` is CUDA and :func:`kda_backend` resolves to "triton" there, ``tokens == 1``, no
+    gradient is needed, a cache is given, no autocast, no context parallelism, K3's bounded gate (``gate_kind="k3"``,
+    ``lower_bound >= -5``: Kimi Linear's gate keeps today's path), and ``dtypes`` = (activation, state, conv_q,
+    conv_k, conv_v) is (c, float32, c, c, c) with c in :data:`FUSED_DECODE_DTYPES`. Pure: no GPU needed to decide."""
+    device = torch.device(device)
+    act, state, *tails = dtypes
+    return (device.type == "cuda" and tokens == 1 and not needs_grad and has_cache and not autocast
+            and not context_parallel and gate_kind == "k3" and lower_bound >= KDA_GATE_LOWER_BOUND
+            and act in FUSED_DECODE_DTYPES and state == torch.float32 and all(t == act for t in tails)
+            and kda_backend(backend, device, True) == "triton")
+
+
 class StaticKDACache(KDACache):
     """A :class:`KDACache` that a forward updates in place (graphed decoding, :mod:`k3lab.infer.static`): the new
     state and tails are written into these tensors and the same cache is returned — the fixed addresses a
@@ -317,6 +337,14 @@ class KDA(nn.Module):
             return self.forward_steps(x, cache)
         B, T, _ = x.shape
         H, K, V = self.num_heads, self.head_k_dim, self.head_v_dim
+        if cache is not None and use_fused_decode(
+                self.cfg.backend, x.device, T, torch.is_grad_enabled(), self.gate_kind, self.lower_bound,
+                (x.dtype, cache.recurrent.dtype, cache.conv_q.dtype, cache.conv_k.dtype, cache.conv_v.dtype),
+                autocast=torch.is_autocast_enabled(x.device.type), context_parallel=self.cp is not None):
+            from k3lab.kernels import kda_decode_fused  # triton: imported on the CUDA path only
+
+            if kda_decode_fused.ENABLED:  # the switch (off until timed on a GPU)
+                return self.decode_fused(x, cache, kda_decode_fused.kda_decode_fused)
         past = (None,) * 4 if cache is None else (cache.recurrent, cache.conv_q, cache.conv_k, cache.conv_v)
         if self.cp is None:
             q, conv_q = self.q_conv1d(self.q_proj(x), past[1])  # [B, T, H*K]
@@ -336,9 +364,7 @@ class KDA(nn.Module):
         in_place = cache is not None and cache.in_place
         extra = {"out_state": past[0]} if in_place else {}  # a static cache: the new state into its own buffer
         o, state = mix(q, k, v, g, beta, past[0], **extra)  # [B, T, H, V], [B, H, K, V]
-        o = F.rms_norm(o.to(cdt), (V,), self.o_norm.weight.to(cdt), self.o_norm.eps)
-        o = torch.sigmoid(self.output_gate(x).to(cdt)).view(B, T, H, V) * o
-        y = self.o_proj(o.reshape(B, T, H * V).to(x.dtype))  # [B, T, D]
+        y = self.output(x, o)  # [B, T, D]
         if in_place:  # the state was written in place by mix; the tails are [B, D, W-1] copies
             for tail, new_tail in zip(past[1:], (conv_q, conv_k, conv_v)):
                 tail.copy_(new_tail)
@@ -378,10 +404,37 @@ class KDA(nn.Module):
             o_i, state = self.mix(q[:, i:i + 1], k[:, i:i + 1], v[:, i:i + 1], g[:, i:i + 1], beta[:, i:i + 1], state,
                                   out_state=cache.states[i])  # [B, 1, H, V]
             outs.append(o_i)
-        o = torch.cat(outs, dim=1)  # [B, T, H, V]
+        return self.output(x, torch.cat(outs, dim=1)), cache  # o [B, T, H, V]
+
+    def output(self, x: Tensor, o: Tensor) -> Tensor:
+        """``y = W_o [σ(W_g x) ⊙ RMSNorm_head(õ)]`` [B, T, D] from the recurrence's output õ [B, T, H, V] (float32
+        inside: float64 in float64 runs)."""
+        B, T, H, V = o.shape
+        cdt = torch.promote_types(x.dtype, torch.float32)
         o = F.rms_norm(o.to(cdt), (V,), self.o_norm.weight.to(cdt), self.o_norm.eps)
         o = torch.sigmoid(self.output_gate(x).to(cdt)).view(B, T, H, V) * o
-        return self.o_proj(o.reshape(B, T, H * V).to(x.dtype)), cache
+        return self.o_proj(o.reshape(B, T, H * V).to(x.dtype))
+
+    def decode_fused(self, x: Tensor, cache: KDACache, kernel) -> tuple[Tensor, KDACache]:
+        """One token ``x [B, 1, D]`` through ``kernel`` (:func:`k3lab.kernels.kda_decode_fused.kda_decode_fused`):
+        the projections here, the convs + SiLU, l2 norms, gate, β and the recurrence in the kernel, then
+        :meth:`output`. A :class:`StaticKDACache` is updated in place (state and tails) and returned; a plain
+        :class:`KDACache` is left as it was and a new one returned."""
+        B = x.shape[0]
+        tails = (cache.conv_q, cache.conv_k, cache.conv_v)
+        if cache.in_place:
+            out_state, out_conv, new = None, None, cache
+        else:
+            out_state = torch.empty(cache.recurrent.shape, dtype=torch.float32, device=x.device)  # [B, H, K, V]
+            out_conv = tuple(torch.empty(t.shape, dtype=t.dtype, device=x.device) for t in tails)  # [B, D, W-1]
+            new = KDACache(out_state, *out_conv)
+            tails = tuple(t.contiguous() for t in tails)
+        o = kernel(self.q_proj(x).view(B, -1), self.k_proj(x).view(B, -1), self.v_proj(x).view(B, -1),
+                   self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight, *tails,
+                   self.f_b_proj(self.f_a_proj(x)).view(B, -1), self.A_log, self.dt_bias, self.b_proj(x).view(B, -1),
+                   cache.recurrent if cache.in_place else cache.recurrent.contiguous(), scale=self.scale,
+                   lower_bound=self.lower_bound, out_state=out_state, out_conv=out_conv)  # [B, H, V]
+        return self.output(x, o.view(B, 1, self.num_heads, self.head_v_dim)), new
 
     def output_gate(self, x: Tensor) -> Tensor:
         """The output gate's logits ``W_g x`` [B, T, H*V]: K3's full-rank ``g_proj`` or Kimi Linear's
