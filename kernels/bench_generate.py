@@ -49,26 +49,32 @@ from k3lab.config import DEVICES  # noqa: E402
 from k3lab.infer import GenerationStats, generate  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-DECODER_ROWS = ("auto", "eager", "compiled", "fused")
-# "compiled": decoder="graph" with COMPILE_GRAPHED on; "fused": decoder="auto" with the fused decode kernels switched
-# on (k3lab.kernels.gemv's GEMV and k3lab.kernels.moe_decode's routed experts; off by default until timed)
+DECODER_ROWS = ("auto", "eager", "compiled", "fused", "unfused")
+# "compiled": decoder="graph" with COMPILE_GRAPHED on; "fused" / "unfused": decoder="auto" with the three fused decode
+# kernels switched on / off (k3lab.kernels.gemv's GEMV, k3lab.kernels.moe_decode's routed experts and
+# k3lab.kernels.kda_decode_fused's KDA step; "auto" runs them as the modules' ENABLED defaults say)
+HBM_TB_S = {"H100": 3.35, "H200": 4.8}  # HBM bandwidth, TB/s (NVIDIA's data sheets: H100 SXM, H200)
+FUSED_KERNELS = ("gemv", "moe_decode", "kda_decode_fused")
 
 
 @contextlib.contextmanager
-def fused_decode_kernels(on: bool):
-    """The switch of the ``fused`` rows: both kernels' ``ENABLED`` on while inside (a model's graphs are captured under
-    it, so each decoder row gets its own model); ``on=False`` leaves the defaults."""
-    if not on:
+def fused_decode_kernels(on: bool | None):
+    """The switch of the ``fused`` / ``unfused`` rows: the three kernels' ``ENABLED`` set to ``on`` while inside (a
+    model's graphs are captured under it, so each decoder row gets its own model); ``None`` leaves the defaults."""
+    if on is None:
         yield
         return
-    from k3lab.kernels import gemv, moe_decode
+    import importlib
 
-    kept = gemv.ENABLED, moe_decode.ENABLED
-    gemv.ENABLED = moe_decode.ENABLED = True
+    modules = [importlib.import_module(f"k3lab.kernels.{name}") for name in FUSED_KERNELS]
+    kept = [m.ENABLED for m in modules]
+    for m in modules:
+        m.ENABLED = on
     try:
         yield
     finally:
-        gemv.ENABLED, moe_decode.ENABLED = kept
+        for m, k in zip(modules, kept):
+            m.ENABLED = k
 
 
 def prompts_of(B: int, length: int, vocab: int, seed: int) -> torch.Tensor:
@@ -82,9 +88,9 @@ def run_generate(model, prompts: torch.Tensor, new: int, decoder: str) -> tuple[
     kept = static_mod.COMPILE_GRAPHED
     static_mod.COMPILE_GRAPHED = decoder == "compiled"
     try:
-        with torch.no_grad(), fused_decode_kernels(decoder == "fused"):
+        with torch.no_grad(), fused_decode_kernels({"fused": True, "unfused": False}.get(decoder)):
             out = generate(model, prompts, new, eos_token_id=None, stats=st,
-                           decoder={"compiled": "graph", "fused": "auto"}.get(decoder, decoder))
+                           decoder={"compiled": "graph", "fused": "auto", "unfused": "auto"}.get(decoder, decoder))
     finally:
         static_mod.COMPILE_GRAPHED = kept
     return st, out
@@ -172,7 +178,8 @@ def main(argv=None) -> int:
                     help="fla KDAForCausalLM + transformers generate at the anchor shape (CUDA only)")
     ap.add_argument("--peer-new", type=int, default=16, help="greedy tokens a row for the peer (slower)")
     ap.add_argument("--long", type=int, default=0, help="also batch 1 with a real prompt of this many tokens")
-    ap.add_argument("--hbm-tb-s", type=float, default=3.35, help="HBM bandwidth for the roofline (H100 SXM 3.35)")
+    ap.add_argument("--hbm-tb-s", type=float, default=None,
+                    help="HBM bandwidth for the roofline; default from the GPU's name (H100 SXM 3.35, H200 4.8)")
     ap.add_argument("--json", default="runs/bench_generate.json")
     if "--cpu-smoke" in (sys.argv[1:] if argv is None else argv):
         ap.set_defaults(device="cpu", preset="tiny", dtype="float32", batches=[1, 3], prompts=[20, 50], new=6,
@@ -181,6 +188,8 @@ def main(argv=None) -> int:
     device = resolve_device(args.device)
     dtype = DTYPES[args.dtype]
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    if args.hbm_tb_s is None:
+        args.hbm_tb_s = HBM_TB_S["H200"] if gpu and "H200" in gpu else HBM_TB_S["H100"]
     print(f"device {device} ({gpu or 'cpu'}), torch {torch.__version__}, preset {args.preset}, {args.dtype}", flush=True)
     rows: list[dict] = []
     for decoder in args.decoders:  # a model each: a decoder's buffers and graphs are kept per model

@@ -48,9 +48,11 @@ SCALES: dict[str, dict[str, dict]] = {
     # 16 · KDA-9 where the mixers run out of state: MQAR, palindrome and stack (KL §5.1) against width. Per task its
     # vocabulary, row length and difficulty (MQAR pairs, stacks; unused for palindrome). GPU: zoology's hard MQAR
     # (T = 1,024, 128 pairs, 8,192 tokens), KL's 64 stacks at T = 1,024, a 128-token palindrome; 2 layers of 2 heads
-    # at widths 64 and 128 (heads of 32 and 64), each mixer at its better of two learning rates. NOT yet measured on a
-    # GPU: 3 tasks x 4 mixers x 2 widths x 3 seeds x 2 lrs = 144 trainings, several device calls (the runs file
-    # resumes); the first call's seconds a run set the plan (docs/scaling_laws.md §6).
+    # at widths 64 and 128 (heads of 32 and 64), every mixer at lr 1e-3: in notebook 01's GPU sweep (1e-3 vs 3e-3,
+    # 3 seeds) every mixer's recall at 1e-3 was within 0.01 of its best but one Gated DeltaNet seed, which stalled
+    # at 3e-3 (0.84 against 0.97) -- one lr halves the cost of the planned sweep of two. 3 x 4 x 2 x 3 = 72 trainings
+    # of 1,000 steps of 32 rows, estimated from notebook 01's seconds at about 1,000 s of GPU: two device calls
+    # resumed through the runs file (run_claims.py --only 16 --resume).
     "16": {
         "cpu": dict(tasks=["mqar", "palindrome", "stack"], mixers=["kda", "gated_deltanet", "linear"], widths=[16, 32],
                     seeds=[0, 1], vocab={"mqar": 32, "palindrome": 8, "stack": 16},
@@ -61,7 +63,7 @@ SCALES: dict[str, dict[str, dict]] = {
                     widths=[64, 128], seeds=[0, 1, 2], vocab={"mqar": 8192, "palindrome": 16, "stack": 256},
                     seq_len={"mqar": 1024, "palindrome": 256, "stack": 1024},
                     difficulty={"mqar": 128, "palindrome": 0, "stack": 64}, n_layers=2, num_heads=2, steps=1000,
-                    batch_size=64, lrs=[5e-4, 2e-3], chunk_size=64, test_examples=512, cuda_graph=True, budget_s=480),
+                    batch_size=32, lrs=[1e-3], chunk_size=64, test_examples=512, cuda_graph=True, budget_s=420),
         "smoke": dict(tasks=["mqar", "palindrome", "stack"], mixers=["kda", "gated_deltanet", "mamba2", "linear"],
                       widths=[16, 32], seeds=[0, 1], vocab={"mqar": 32, "palindrome": 8, "stack": 16},
                       seq_len={"mqar": 16, "palindrome": 12, "stack": 16},

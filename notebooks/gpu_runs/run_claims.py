@@ -1,4 +1,4 @@
-"""Run the claim notebooks (01, 05, 06, 07) at the GPU scale in one device call, through papermill (issue 29).
+"""Run the claim notebooks (01, 05, 06, 07, 16) at the GPU scale in one device call, through papermill (issue 29).
 
 From the repository root on the GPU machine (k3lab importable, papermill and ipykernel installed):
 
@@ -37,7 +37,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = {"01": "01_linear_attention_lineage", "05": "05_nope_vs_rope", "06": "06_attention_residuals",
-             "07": "07_latent_moe_and_situ"}
+             "07": "07_latent_moe_and_situ", "16": "16_mixers_hard_regime"}
+MULTI_CALL = ("16",)  # notebooks whose 3 seeds need more than one call: each call trains what its budget allows and
+# the next resumes from the runs file (--resume notebooks/gpu_runs)
 INLINE_BACKEND = "module://matplotlib_inline.backend_inline"
 H200_BF16_PEAK = 990e12  # dense bf16 FLOP/s
 MFU = 0.30  # what the small models are assumed to reach when compute-bound
@@ -63,6 +65,9 @@ MEASURED = {
                runs_file=None),
     "07": dict(steps=500, shared=False, first=19.1, per_run=13.8,  # 5 later runs 12.4-15.6 s (estimated 30 s before)
                runs_file="07_latent_moe_and_situ.runs.jsonl"),
+    # 16: ESTIMATED from 01's seconds (1,000 steps of 128 x 256 tokens at one lr: KDA 30 s, GDN 14, Mamba2 10, linear
+    # 9): 16's MQAR and stack rows have as many tokens a step (32 x 1,024), the palindrome rows a quarter
+    "16": dict(steps=1000, shared=False, first=60.0, per_run=14.0, runs_file=None, estimated=True),
 }
 
 
@@ -160,6 +165,8 @@ def runs_for_three_seeds(nb: str, sizes: dict) -> int:
         return 3 * len(sizes["seeded"])  # the lineage's other mixers run at seed 0 only when time is left
     if nb == "05":
         return 3 * 2 + 2  # NoPE and RoPE hybrids x 3 seeds, all-KDA and all-MLA once
+    if nb == "16":
+        return 3 * len(sizes["tasks"]) * len(sizes["mixers"]) * len(sizes["widths"])  # x 3 seeds, one lr each
     if nb == "07":
         return 3 * 2 + (3 * 2 if sizes.get("stress") else 0)  # LatentMoE and standard MoE (and SiTU, SwiGLU) x 3 seeds
     blocks = sizes.get("block_counts") or [2 ** i for i in range(sizes["num_layers"].bit_length())]
