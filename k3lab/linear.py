@@ -7,7 +7,8 @@ flattened: a decode step's tokens), no gradient needed, no autocast and one dtyp
 module's docstring); every other call runs ``torch.nn.functional.linear``. Both compute float32 sums rounded
 once to x's dtype (:func:`k3lab.kernels.gemv.small_linear_reference` has the rounding). The rule is
 :func:`small_linear_applies`, a pure function of the call's facts; :data:`k3lab.kernels.gemv.ENABLED` switches the
-kernel on (it is off until timed on a GPU: every call then runs ``F.linear``).
+kernel on (on by default since the GPU suite and ``kernels/bench_generate.py`` ran with it;
+False: every call runs ``F.linear``).
 
 :class:`Linear` is ``nn.Linear`` with a ``backend`` attribute (default ``"torch"``; the layers set it from
 ``cfg.backend``) and that forward. Being a subclass, it keeps ``nn.Linear``'s parameter names, state dict,
@@ -68,7 +69,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, backend: str =
             autocast=torch.is_autocast_enabled(x.device.type)):
         import k3lab.kernels.gemv as gemv
 
-        if gemv.ENABLED:  # the switch (off until timed on a GPU)
+        if gemv.ENABLED:  # the switch (on by default; False: F.linear everywhere)
             out = gemv.small_linear(x.reshape(rows, K), weight, bias)                 # [N, M]
             return out.view(*x.shape[:-1], weight.shape[0])                          # [..., M]
     return F.linear(x, weight, bias)

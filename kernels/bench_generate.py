@@ -19,9 +19,10 @@ states read and written, the MLA latents at the row's mean context) over ``--hbm
 4.8). The peer, in the same invocation: fla's ``KDAForCausalLM`` decoded by transformers' ``generate`` at fla's
 anchor shape (pure KDA, 24 × 1024), beside k3lab's ``generate`` at the same shape (``kda-anchor``).
 ``--decoders`` adds rows for other decoders (``eager``: the reference path; ``compiled``: ``decoder="graph"`` with
-``k3lab.infer.static.COMPILE_GRAPHED`` on; ``fused``: the default with the fused decode kernels switched on — the GEMV
-of :mod:`k3lab.kernels.gemv` in place of cuBLAS and the routed experts of :mod:`k3lab.kernels.moe_decode` in place of
-the sorted grouped-GEMM path, issue 36 item 2; both are off by default until this comparison is measured).
+``k3lab.infer.static.COMPILE_GRAPHED`` on; ``fused`` / ``unfused``: ``auto`` with the three fused decode kernels
+switched on / off — the GEMV of :mod:`k3lab.kernels.gemv` in place of cuBLAS, the routed experts of
+:mod:`k3lab.kernels.moe_decode` in place of the sorted grouped-GEMM path and the KDA step of
+:mod:`k3lab.kernels.kda_decode_fused`, issue 36 item 2; all three are on by default, so ``auto`` = ``fused``).
 
 The table at the end is the summary; ``--json`` (default ``runs/bench_generate.json``) gets every number.
 """
@@ -192,6 +193,13 @@ def main(argv=None) -> int:
         args.hbm_tb_s = HBM_TB_S["H200"] if gpu and "H200" in gpu else HBM_TB_S["H100"]
     print(f"device {device} ({gpu or 'cpu'}), torch {torch.__version__}, preset {args.preset}, {args.dtype}", flush=True)
     rows: list[dict] = []
+
+    def save():  # after every section: a run cut by its call's limit keeps the rows it measured
+        if args.json:
+            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+            with open(args.json, "w") as f:
+                json.dump(dict(settings=vars(args), device=str(device), gpu=gpu, torch=torch.__version__, rows=rows),
+                          f, indent=1, default=str)
     for decoder in args.decoders:  # a model each: a decoder's buffers and graphs are kept per model
         model = build(decode_config(args.preset, args.cpu_smoke), device, dtype)
         try:
@@ -201,12 +209,14 @@ def main(argv=None) -> int:
             print(json.dumps(rows[-1]), flush=True)
         del model
         reset_peak(device)
+        save()
     if args.anchor:
         model = build(decode_config("kda-anchor", args.cpu_smoke), device, dtype)
         for B in sorted({args.batches[0], args.batches[-1]}):
             rows += rows_for(model, "kda-anchor", "auto", [B], [max(args.prompts)], args.new, args.hbm_tb_s, device)
         del model
         reset_peak(device)
+    save()
     if args.peer and device.type == "cuda":
         for B in sorted({args.batches[0], args.batches[-1]}):
             try:
@@ -216,6 +226,7 @@ def main(argv=None) -> int:
             row["prompt"] = max(args.prompts)
             rows.append(row)
             print(json.dumps(row), flush=True)
+            save()
     if args.long:
         try:
             rows.append(long_row(args, device, dtype))
@@ -223,11 +234,7 @@ def main(argv=None) -> int:
             rows.append(dict(impl="k3lab generate(auto)", model=args.preset, B=1, prompt=args.long,
                              error=repr(err)[:300]))
         print(json.dumps(rows[-1]), flush=True)
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(dict(settings=vars(args), device=str(device), gpu=gpu, torch=torch.__version__, rows=rows), f,
-                      indent=1, default=str)
+    save()
     print()
     print(table(rows, args.hbm_tb_s))
     return 1 if any("error" in r for r in rows) else 0

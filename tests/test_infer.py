@@ -361,22 +361,30 @@ def test_bench_generate_cpu_smoke(tmp_path, capsys):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_decode_uses_the_triton_step_and_matches_torch():
     """On CUDA (backend "auto" -> our Triton KDA kernels) greedy generation in fp32 equals the torch backend's,
-    decoding goes through k3lab.kernels.kda_decode_step, and MLA's bf16 chunk-on-cache path (SDPA, lower-right
-    causal mask) matches the fp32 math path."""
+    each decode step of a KDA layer goes through one Triton step — the fused step (k3lab.kernels.kda_decode_fused,
+    on by default) or, with it switched off, k3lab.kernels.kda_decode_step — and MLA's bf16 chunk-on-cache path
+    (SDPA, lower-right causal mask) matches the fp32 math path."""
     import k3lab.kernels as kernels
+    from k3lab.kernels import kda_decode_fused as fused
 
     prompts = random_prompts([9, 70])
     fast = build().cuda()
     ref = build(backend="torch").cuda()
-    calls = []
-    real = kernels.kda_decode_step
-    kernels.kda_decode_step = lambda *a, **k: calls.append(1) or real(*a, **k)
-    try:
-        # the eager decoder: one call a step (the graphed default calls it only while warming up and capturing)
-        got = generate(fast, prompts, 6, chunk_size=32, eos_token_id=None, decoder="eager")  # no EOS: 5 decode steps
-    finally:
-        kernels.kda_decode_step = real
-    assert got == generate(ref, prompts, 6, chunk_size=32, eos_token_id=None, decoder="eager") and len(calls) == 5
+    want = generate(ref, prompts, 6, chunk_size=32, eos_token_id=None, decoder="eager")
+    for on in (True, False):
+        calls = {"step": 0, "fused": 0}
+        real_step, real_fused, kept = kernels.kda_decode_step, fused.kda_decode_fused, fused.ENABLED
+        kernels.kda_decode_step = lambda *a, **k: calls.__setitem__("step", calls["step"] + 1) or real_step(*a, **k)
+        fused.kda_decode_fused = lambda *a, **k: calls.__setitem__("fused", calls["fused"] + 1) or real_fused(*a, **k)
+        fused.ENABLED = on
+        try:
+            # the eager decoder: one call a step (the graphed default calls it only while warming up and capturing)
+            got = generate(fast, prompts, 6, chunk_size=32, eos_token_id=None, decoder="eager")  # no EOS: 5 steps
+        finally:
+            kernels.kda_decode_step, fused.kda_decode_fused, fused.ENABLED = real_step, real_fused, kept
+        assert got == want, on
+        used, unused = ("fused", "step") if on else ("step", "fused")
+        assert calls[unused] == 0 and calls[used] == 5, (on, calls)  # one KDA layer, 5 decode steps
     from k3lab.mixers.mla import MLACache
 
     mla = fast.model.layers[1].self_attn

@@ -6,7 +6,8 @@ kernels: a split-K GEMV for at most 16 rows (``k3lab.kernels.gemv``, against ``s
 model linear layer through ``k3lab.linear``), the routed experts of at most 128 token slots without a sort
 (``k3lab.kernels.moe_decode``, against ``routed_experts_decode_reference`` and the sorted path), and the KDA layer's
 one-token step with its short convolutions, norms and gate (``k3lab.kernels.kda_decode_fused``); the three decode
-kernels are off by default (each module's ``ENABLED``) until timed on a GPU.
+kernels are on by default (each module's ``ENABLED``; False: the reference launches) since the GPU suite ran with
+them on and ``kernels/bench_generate.py`` timed them.
 
 Set ``TRITON_INTERPRET=1`` before importing this package to run the kernels on CPU (tests, notebooks).
 """

@@ -343,7 +343,7 @@ class KDA(nn.Module):
                 autocast=torch.is_autocast_enabled(x.device.type), context_parallel=self.cp is not None):
             from k3lab.kernels import kda_decode_fused  # triton: imported on the CUDA path only
 
-            if kda_decode_fused.ENABLED:  # the switch (off until timed on a GPU)
+            if kda_decode_fused.ENABLED:  # the switch (on by default; False: the separate launches below)
                 return self.decode_fused(x, cache, kda_decode_fused.kda_decode_fused)
         past = (None,) * 4 if cache is None else (cache.recurrent, cache.conv_q, cache.conv_k, cache.conv_v)
         if self.cp is None:

@@ -19,8 +19,8 @@ Three separable pieces, so that expert parallelism replaces only the middle one:
    which the expert-parallel dispatchers of :mod:`k3lab.parallel.expert` (plain EP, MoonEP) replace:
    all-to-all to the ranks that compute, experts there, all-to-all back. Decoding (N·k ≤ 128 slots, CUDA,
    backend triton, no gradient: :func:`use_decode_kernel`) can skip the sort: the fused kernel of
-   :mod:`k3lab.kernels.moe_decode` reads each slot's expert weights directly (switched on by its ``ENABLED``,
-   off until timed on a GPU);
+   :mod:`k3lab.kernels.moe_decode` reads each slot's expert weights directly (its ``ENABLED``, on by
+   default; False: the sorted path below);
 3. expert compute: :class:`RoutedExperts` on the sorted slots: a reference loop over experts, a
    grouped-GEMM path (``torch.nn.functional.grouped_mm``, CUDA + bf16) and a padded batched-matmul path
    (few large ops instead of many small ones: the fast choice on CPU), all three equal.
@@ -319,7 +319,7 @@ class LatentMoE(nn.Module):
         if use_decode_kernel(self.dispatcher, z.device, topk_idx.numel(), needs_grad, dtypes):
             from k3lab.kernels import moe_decode  # triton: imported on the CUDA path only
 
-            if moe_decode.ENABLED:  # the switch (off until timed on a GPU)
+            if moe_decode.ENABLED:  # the switch (on by default; False: the sorted path)
                 return moe_decode.routed_experts_decode(z.to(dtype), topk_idx, topk_weight.float(), e.w1, e.w3, e.w2,
                                                         e.act, e.beta, e.linear_beta)
         return self.dispatcher.run(z, topk_idx, topk_weight, e)
