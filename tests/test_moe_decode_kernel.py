@@ -35,7 +35,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 @pytest.fixture(autouse=True)
 def kernel_switched_on(monkeypatch):
-    """The kernel is off by default until timed on a GPU (``k3lab.kernels.moe_decode.ENABLED``); these tests test it on."""
+    """The kernel is on by default (``k3lab.kernels.moe_decode.ENABLED``); these tests set it on whatever the default."""
     from k3lab.kernels import moe_decode as module
 
     monkeypatch.setattr(module, "ENABLED", True)
@@ -108,8 +108,9 @@ def test_kernel_matches_reference(N, k, act, dtype, w_dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_with_shared_experts_and_loops(dtype, monkeypatch):
     """Every token on the same experts (in different slot orders), I and L no powers of two and blocks forced small,
-    so that both kernels loop over several masked blocks; strided (transposed-copy) weights are read in place."""
-    monkeypatch.setattr(moe_decode, "LAUNCH", dict(up_block_i=8, up_block_l=4, down_block_l=4, down_block_i=8))
+    so that the kernels loop over several masked blocks; strided (transposed-copy) weights are read in place."""
+    monkeypatch.setattr(moe_decode, "LAUNCH",
+                        dict(up_block_i=8, up_block_l=4, down_block_l=4, down_block_i=8, combine_block_l=4))
     idx = torch.tensor([[0, 5, 2], [2, 0, 5], [5, 2, 0]])
     z, idx, p, w1, w3, w2 = inputs(3, 3, dtype, idx=idx, I=20, L=12, seed=3)
     w2 = w2.mT.contiguous().mT  # [E, L, I] with stride 1 along L

@@ -11,13 +11,13 @@ N tokens z [N, L], top-k expert ids T [N, k] (int64), routing weights p [N, k] (
 
 The sorted path it replaces — :meth:`LocalDispatcher.run <k3lab.moe.latent.LocalDispatcher.run>`: an argsort of
 the N·k slots by expert, a gather, grouped GEMMs, the combine — is a chain of small kernels whose cost at N ≤ 16
-is their number, not their bytes. Here two kernels, slot ``s = n·k + j``:
+is their number, not their bytes. Here three kernels, slot ``s = n·k + j``:
 
 1. up:    ``h[s, i] = act(W1[e_s, i] · z[n], W3[e_s, i] · z[n])`` — grid (S = N·k slots, I blocks); a program reads
    BLOCK_I rows of its expert's W1 and W3 once, walking L;
-2. down:  ``u[n, l] = Σ_j p[n, j] · (W2[e_nj, l] · h[n·k + j])`` — grid (N tokens, L blocks); a program walks its
-   token's k slots in order j = 0..k-1 and each slot's I. Every output element is written by one program: no
-   atomics, the same bits every run.
+2. down:  ``y[s, l] = W2[e_s, l] · h[s]`` — grid (S slots, L blocks); a program walks its slot's I;
+3. combine: ``u[n, l] = Σ_j p[n, j] · y[n·k + j, l]`` — grid (N tokens, L blocks), the k slots in order
+   j = 0..k-1. Every output element is written by one program: no atomics, the same bits every run.
 
 Precision: the rounding points of the sorted path. The compute dtype c is z's (bf16 or float32; LatentMoE casts z
 to the autocast dtype first, as :class:`~k3lab.moe.latent.RoutedExperts` does). Weights are read in their own
@@ -34,7 +34,7 @@ calls the ``torch.library`` custom op ``k3lab::moe_routed_experts_decode`` (an o
 implementation); eager calls launch the kernels directly. Forward only (decoding): the entry refuses inputs that
 need gradients.
 
-Launch parameters (:data:`LAUNCH`) are chosen without GPU timings yet. On CPU the kernels run under
+Launch parameters: :data:`LAUNCH`. On CPU the kernels run under
 ``TRITON_INTERPRET=1`` (set before triton is imported): tests/test_moe_decode_kernel.py.
 """
 
@@ -51,15 +51,16 @@ from k3lab.kernels.rounding import DTYPES, bf16_round_if, bf16_round_if_f32
 
 Tensor = torch.Tensor
 
-ENABLED = False  # LatentMoE.routed runs eligible calls here only when True: off until timed on a GPU (issue 36:
-# `pytest -m gpu tests/test_moe_decode_kernel.py`, `kernels/bench_generate.py --decoders auto fused`); True: on
+ENABLED = True  # LatentMoE.routed runs eligible calls here (on since the GPU suite and `kernels/bench_generate.py` ran with it on,
+# issue 36); False: the sorted grouped path everywhere
 MAX_SLOTS = 128  # N·k at most: decode batches (the kernels read every slot's expert weights; larger N sorts)
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
-# Launch parameters (no GPU timings yet). up: a program's tile [up_block_i, ≤ up_block_l] of W1 and of W3;
-# down: a program's tile [down_block_l, ≤ down_block_i] of W2 — rows of W2 are contiguous along I, so a wide I
-# block reads long runs; narrow L blocks give more programs at N = 1 (small: L = 512 -> 64 programs)
-LAUNCH = dict(up_block_i=16, up_block_l=128, down_block_l=8, down_block_i=256)
+# Launch parameters. up: a program's tile [up_block_i, ≤ up_block_l] of W1 and of W3; down: a program's tile
+# [down_block_l, ≤ down_block_i] of W2 for one slot — rows of W2 are contiguous along I, so a wide I block reads
+# long runs; one program per (slot, L block) gives 8 × 64 = 512 programs at small's N = 1 (one per (token, L block)
+# gave 64, and the down kernel took 26 µs a layer on one H100, 2026-12-06: 10x its bytes); combine: columns a program
+LAUNCH = dict(up_block_i=16, up_block_l=128, down_block_l=8, down_block_i=256, combine_block_l=128)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -116,28 +117,35 @@ def _decode_up_kernel(Z, IDX, W1, W3, H, I, L, beta, linear_beta,
 
 
 @triton.jit
-def _decode_down_kernel(H, IDX, P, W2, U, I, L, s2_e, s2_l, s2_i,
-                        TOP_K: tl.constexpr, BF16: tl.constexpr, ROUND_W2: tl.constexpr,
-                        BLOCK_L: tl.constexpr, BLOCK_I: tl.constexpr):
-    """U[n, l] = Σ_j P[n, j]·round(W2[e_nj, l]·H[n·k + j]) for one token n and BLOCK_L columns l, j in order."""
-    n = tl.program_id(0)
+def _decode_down_kernel(H, IDX, W2, Y, I, L, s2_e, s2_l, s2_i,
+                        BF16: tl.constexpr, ROUND_W2: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_I: tl.constexpr):
+    """Y[s, l] = round(W2[e_s, l]·H[s]) for one slot s and BLOCK_L columns l: the expert's output, rounded to c."""
+    s = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_L + tl.arange(0, BLOCK_L)                       # [BLOCK_L] l
+    col_ok = cols < L
+    e = tl.load(IDX + s).to(tl.int64)
+    acc = tl.zeros((BLOCK_L, BLOCK_I), dtype=tl.float32)
+    for i0 in range(0, I, BLOCK_I):
+        ks = i0 + tl.arange(0, BLOCK_I)                                             # [BLOCK_I] i
+        k_ok = ks < I
+        h = tl.load(H + s * I + ks, mask=k_ok, other=0.0).to(tl.float32)           # [BLOCK_I]
+        w2 = tl.load(W2 + e * s2_e + cols[:, None] * s2_l + ks[None, :] * s2_i,
+                     mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += bf16_round_if_f32(w2.to(tl.float32), ROUND_W2) * h[None, :]                 # [BLOCK_L, BLOCK_I]
+    y = bf16_round_if_f32(tl.sum(acc, 1), BF16)                                          # [BLOCK_L] the expert's output
+    tl.store(Y + s * L + cols, y, mask=col_ok)
+
+
+@triton.jit
+def _decode_combine_kernel(Y, P, U, L, TOP_K: tl.constexpr, BLOCK_L: tl.constexpr):
+    """U[n, l] = Σ_j P[n, j]·Y[n·k + j, l] for one token n and BLOCK_L columns, j in order (float32)."""
+    n = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_L + tl.arange(0, BLOCK_L)
     col_ok = cols < L
     u = tl.zeros((BLOCK_L,), dtype=tl.float32)
     for j in tl.static_range(TOP_K):
         s = n * TOP_K + j
-        e = tl.load(IDX + s).to(tl.int64)
-        p = tl.load(P + s)                                                          # float32 routing weight
-        acc = tl.zeros((BLOCK_L, BLOCK_I), dtype=tl.float32)
-        for i0 in range(0, I, BLOCK_I):
-            ks = i0 + tl.arange(0, BLOCK_I)                                         # [BLOCK_I] i
-            k_ok = ks < I
-            h = tl.load(H + s * I + ks, mask=k_ok, other=0.0).to(tl.float32)       # [BLOCK_I]
-            w2 = tl.load(W2 + e * s2_e + cols[:, None] * s2_l + ks[None, :] * s2_i,
-                         mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-            acc += bf16_round_if_f32(w2.to(tl.float32), ROUND_W2) * h[None, :]             # [BLOCK_L, BLOCK_I]
-        y = bf16_round_if_f32(tl.sum(acc, 1), BF16)                                      # [BLOCK_L] the expert's output
-        u += p * y                                                                  # bf16 × fp32 -> fp32
+        u += tl.load(P + s) * tl.load(Y + s * L + cols, mask=col_ok, other=0.0)     # bf16-valued × fp32 -> fp32
     tl.store(U + n * L + cols, u, mask=col_ok)
 
 
@@ -162,9 +170,12 @@ def _run(z: Tensor, topk_idx: Tensor, topk_weight: Tensor, w1: Tensor, w3: Tenso
     _decode_up_kernel[(N * k, triton.cdiv(I, bi))](
         z, idx, w1, w3, h, I, L, float(beta), float(linear_beta), *w1.stride(), *w3.stride(),
         TOP_K=k, SITU=act == "situ", BF16=bf16, ROUND_W1=rounds[0], ROUND_W3=rounds[1], BLOCK_I=bi, BLOCK_L=bl)
+    y = torch.empty(N * k, L, dtype=torch.float32, device=z.device)                # [N·k, L] experts' outputs
     bl, bi = LAUNCH["down_block_l"], min(LAUNCH["down_block_i"], triton.next_power_of_2(I))
-    _decode_down_kernel[(N, triton.cdiv(L, bl))](
-        h, idx, p, w2, u, I, L, *w2.stride(), TOP_K=k, BF16=bf16, ROUND_W2=rounds[2], BLOCK_L=bl, BLOCK_I=bi)
+    _decode_down_kernel[(N * k, triton.cdiv(L, bl))](
+        h, idx, w2, y, I, L, *w2.stride(), BF16=bf16, ROUND_W2=rounds[2], BLOCK_L=bl, BLOCK_I=bi)
+    bc = min(LAUNCH["combine_block_l"], triton.next_power_of_2(L))
+    _decode_combine_kernel[(N, triton.cdiv(L, bc))](y, p, u, L, TOP_K=k, BLOCK_L=bc)
     return u
 
 
