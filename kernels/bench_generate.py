@@ -191,7 +191,8 @@ def main(argv=None) -> int:
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     if args.hbm_tb_s is None:
         args.hbm_tb_s = HBM_TB_S["H200"] if gpu and "H200" in gpu else HBM_TB_S["H100"]
-    print(f"device {device} ({gpu or 'cpu'}), torch {torch.__version__}, preset {args.preset}, {args.dtype}", flush=True)
+    print(f"device {device} ({gpu or 'cpu'}), torch {torch.__version__}, preset {args.preset}, {args.dtype}, roofline at "
+          f"{args.hbm_tb_s} TB/s", flush=True)
     rows: list[dict] = []
 
     def save():  # after every section: a run cut by its call's limit keeps the rows it measured

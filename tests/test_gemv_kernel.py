@@ -41,7 +41,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 @pytest.fixture(autouse=True)
 def kernel_switched_on(monkeypatch):
-    """The kernel is on by default (``k3lab.kernels.gemv.ENABLED``); these tests set it on whatever the default."""
+    """The kernel is on by default (``k3lab.kernels.gemv.ENABLED``); these tests set it on regardless."""
     from k3lab.kernels import gemv as module
 
     monkeypatch.setattr(module, "ENABLED", True)

@@ -58,8 +58,8 @@ from k3lab.kernels.rounding import bf16_round_if
 
 Tensor = torch.Tensor
 
-ENABLED = True  # k3lab.linear.linear sends eligible calls here (on since the GPU suite and `kernels/bench_generate.py` ran with it on,
-# issue 36); False: F.linear everywhere (the reference path, one switch away)
+ENABLED = True  # k3lab.linear.linear sends eligible calls here (on since the GPU suite and
+# `kernels/bench_generate.py` ran with it on, issue 36); False: F.linear everywhere (the reference path)
 GEMV_MAX_ROWS = 16  # rows of x (tokens) a call takes: a decode step's batch (× draft tokens)
 GEMV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # x, W and b share one of these
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"

@@ -65,8 +65,9 @@ from k3lab.kernels.rounding import DTYPES, bf16_round_if, bf16_round_if_f32
 
 Tensor = torch.Tensor
 
-ENABLED = True  # KDA.forward sends eligible decode steps here (on since the GPU suite and `kernels/bench_generate.py` ran
-# with it on, issue 36); False: the projections, convolutions, gate and kda_decode_step as separate launches
+ENABLED = True  # KDA.forward sends eligible decode steps here (on since the GPU suite and
+# `kernels/bench_generate.py` ran with it on, issue 36); False: the projections, convolutions, gate and
+# kda_decode_step as separate launches
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 L2NORM_EPS = 1e-6  # as k3lab.mixers.kda.L2NORM_EPS (fla's l2norm)
 MAX_HEAD_DIM = 256  # K and V at most (a program holds a head's q, k, g and a [K, BV] state tile)

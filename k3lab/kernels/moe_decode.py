@@ -51,8 +51,8 @@ from k3lab.kernels.rounding import DTYPES, bf16_round_if, bf16_round_if_f32
 
 Tensor = torch.Tensor
 
-ENABLED = True  # LatentMoE.routed runs eligible calls here (on since the GPU suite and `kernels/bench_generate.py` ran with it on,
-# issue 36); False: the sorted grouped path everywhere
+ENABLED = True  # LatentMoE.routed runs eligible calls here (on since the GPU suite and `kernels/bench_generate.py`
+# ran with it on, issue 36); False: the sorted grouped path everywhere
 MAX_SLOTS = 128  # N·k at most: decode batches (the kernels read every slot's expert weights; larger N sorts)
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
