@@ -191,6 +191,19 @@ def test_measured_seconds_match_the_runs_files_and_each_notebook_fits_a_call():
     assert run_claims.runs_for_three_seeds("16", SCALES["16"]["gpu"]) == 72  # 3 tasks x 4 mixers x 2 widths x 3 seeds
 
 
+def test_resume_only_for_the_notebooks_that_reuse_logged_runs(tmp_path, capsys):
+    """``run_claims.py --resume`` copies the committed runs file in; a notebook that does not look its runs up there
+    would train them all again and log each twice (notebook 06 did, 2026-12-06), so it is refused by name."""
+    run_claims = _load("run_claims")
+    for nb, name in run_claims.NOTEBOOKS.items():
+        source = (ROOT / "notebooks" / f"{name}.ipynb").read_text()
+        assert ("log.finished(" in source) == (nb in run_claims.RESUMABLE), nb
+    with pytest.raises(SystemExit) as exit_:
+        run_claims.main(["--only", "06", "--resume", "notebooks/gpu_runs", "--out", str(tmp_path / "out")])
+    assert exit_.value.code == 2 and "--resume: notebook 06 does not reuse logged runs" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 def test_executed_gpu_notebooks_agree_with_the_ledger():
     """The committed executed notebooks under notebooks/gpu_runs/ and docs/claims.md say the same."""
     check_ledger = _load("check_ledger")
@@ -218,7 +231,7 @@ FULL_GRID = [(w, s) for w in (64, 96, 128, 192) for s in (0, 1, 2)]
 @pytest.mark.parametrize("name,claim,baseline,variant,paper,missing", [
     ("15_scale3", "SCALE-3", "mla", "hybrid", 1.16, []),
     ("15_scale3rope", "SCALE-3", "mla+rope", "hybrid", 1.16, []),
-    ("15_ar3", "AR-3", "hybrid", "hybrid+attnres", 1.25, [(192, 2)]),  # cut by the call's budget (docs/scaling_laws.md §5)
+    ("15_ar3", "AR-3", "hybrid", "hybrid+attnres", 1.25, []),
 ])
 def test_scaling_verdicts_are_recomputed_from_the_committed_runs(name, claim, baseline, variant, paper, missing):
     """SCALE-3's and AR-3's ledger rows re-read from their runs: the multiplier and interval fitted again from the

@@ -98,14 +98,15 @@ SCALES: dict[str, dict[str, dict]] = {
     # 06 · AttnRes vs PreNorm and the block count (AR-2, AR-3, AR-5). GPU: 8 decoder layers (16 sublayers; K3's
     # 3:1 KDA/MLA schedule) at D = 256, byte tokens of the code corpus (no window repeats), 250 steps of 64 x 512;
     # AttnRes with 1 and 8 blocks (S = 16 and 2 sublayers a block) and full against PreNorm: 4 variants x 3 seeds, about
-    # 26 s a run alone on one H200 (measured 31 s at 300 steps), so 3 seeds fit one call (all 6 variants would not).
+    # 26 s a run alone on one H200 (measured 31 s at 300 steps) and 22-45 s on one H100 (PreNorm fastest, full slowest;
+    # 12 runs about 410 s, 2026-12-06), so 3 seeds fit one call's 440 s budget (all 6 variants would not).
     # ``block_counts`` None: every power of 2 dividing num_layers.
     "06": {
         "cpu": dict(model={}, num_layers=4, hybrid=False, tokenizer="byte", corpus="kjv", block_counts=None, steps=30,
                     batch_size=8, seq_len=32, lr=1e-2, eval_batches=4, cuda_graph=False, dtype="float32", budget_s=None),
         "gpu": dict(model=GPU_MODEL, num_layers=8, hybrid=True, tokenizer="byte", corpus="code", block_counts=[1, 8],
                     steps=250, batch_size=64, seq_len=512, lr=3e-3, eval_batches=16, cuda_graph=True,
-                    dtype="bfloat16", budget_s=360),
+                    dtype="bfloat16", budget_s=440),
         "smoke": dict(model={}, num_layers=4, hybrid=True, tokenizer="byte", corpus="code", block_counts=[1, 4], steps=4,
                       batch_size=2, seq_len=16, lr=1e-2, eval_batches=1, cuda_graph=True, dtype="float32", budget_s=240),
     },

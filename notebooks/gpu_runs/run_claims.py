@@ -7,6 +7,9 @@ From the repository root on the GPU machine (k3lab importable, papermill and ipy
     python notebooks/gpu_runs/run_claims.py --out /tmp/claims --smoke       # scale "smoke": the same pipeline on a CPU
     python notebooks/gpu_runs/run_claims.py --out "$OUT" --only 01 --resume notebooks/gpu_runs   # train what is missing
 
+``--resume`` applies to the notebooks that reuse logged runs (:data:`RESUMABLE`: 01 and 16); the others train all
+their runs in one call and refuse it. A device call returns at most 8 files from ``$OUT``: one notebook leaves 4.
+
 Each notebook runs as ``papermill <notebook> OUT/<notebook> -p scale gpu -p runs_file OUT/<name>.runs.jsonl
 -p budget_s B``, in its own process and kernel, one at a time (``--jobs``, default 1: on 2026-12-04 three notebooks
 sharing one H200 each ran 2.5-4x slower than alone, see :data:`MEASURED`). Nothing is cut mid-result:
@@ -19,9 +22,9 @@ sharing one H200 each ran 2.5-4x slower than alone, see :data:`MEASURED`). Nothi
 * the last lines printed are a summary table (notebook, status, seconds, the ``VERDICT`` lines), also written to
   ``OUT/summary.md``.
 
-``--plan`` prints, from the per-run seconds measured on one H200 (:data:`MEASURED`, read from the committed
+``--plan`` prints, from the per-run seconds measured on one H200 or H100 (:data:`MEASURED`, read from the committed
 ``notebooks/gpu_runs/*.runs.jsonl``), what 3 seeds of each notebook take at today's sizes and whether it fits in one
-9-minute device call; ``--estimate`` adds the FLOP-based estimate (which was 3-5x too optimistic).
+device call; ``--estimate`` adds the FLOP-based estimate (which was 3-5x too optimistic).
 """
 from __future__ import annotations
 
@@ -40,15 +43,16 @@ NOTEBOOKS = {"01": "01_linear_attention_lineage", "05": "05_nope_vs_rope", "06":
              "07": "07_latent_moe_and_situ", "16": "16_mixers_hard_regime"}
 MULTI_CALL = ("16",)  # notebooks whose 3 seeds need more than one call: each call trains what its budget allows and
 # the next resumes from the runs file (--resume notebooks/gpu_runs)
+RESUMABLE = ("01", "16")  # notebooks that reuse the runs their runs file holds; the others train every run again
 INLINE_BACKEND = "module://matplotlib_inline.backend_inline"
 H200_BF16_PEAK = 990e12  # dense bf16 FLOP/s
 MFU = 0.30  # what the small models are assumed to reach when compute-bound
-CALL_S = 540.0  # one device call: 9 minutes (the device allows 10 a command)
+CALL_S = 560.0  # one device call: 9 min 20 s (the device allows 10 a command; installing the wheels takes ~15 s)
 OVERHEAD_S = 45.0  # per notebook outside its training budget: kernel start, imports, CUDA init, data, plots
 
-# Seconds per training run measured on one NVIDIA H200 on 2026-12-04 (torch 2.11.0+cu130), from the committed
-# runs files (``notebooks/gpu_runs/NN_*.runs.jsonl``, ``seconds``; ``tests/test_gpu_runs.py`` checks they agree) and,
-# for 06, whose runs file did not come back, its progress bar. ``first``: the notebook's first run, which also
+# Seconds per training run measured on one NVIDIA H200 on 2026-12-04 (torch 2.11.0+cu130; 06 and 16 on one H100 on
+# 2026-12-06, ``gpu``), from the committed runs files (``notebooks/gpu_runs/NN_*.runs.jsonl``, ``seconds``;
+# ``tests/test_gpu_runs.py`` checks they agree) and, for 16, whose runs file did not come back, its progress bar. ``first``: the notebook's first run, which also
 # compiles Triton kernels and captures CUDA graphs; ``per_run``: the mean of the later runs; ``steps``: the steps they ran;
 # ``shared``: the notebook ran with two others on the same GPU (``--jobs 3``). Shared runs were 2.5-4x slower:
 # 05's runs took 58.8-64.9 s at 800 steps shared, 14.4-14.7 s at 500 alone (0.073-0.081 vs 0.029 s a step).
@@ -61,13 +65,18 @@ MEASURED = {
                runs_file="01_linear_attention_lineage.runs.jsonl"),
     "05": dict(steps=500, shared=False, first=47.0, per_run=14.2,  # 7 later runs 11.0-15.7 s; 8 runs in 146 s
                runs_file="05_nope_vs_rope.runs.jsonl"),
-    "06": dict(steps=300, shared=False, first=65.5, per_run=31.0,  # 4 runs: 65, 78, 66 s shared, then 31 s alone
-               runs_file=None),
+    # 06: two H100 calls, 14 runs (the first call 10 in 345 s of a 360 s budget: seed 2 was cut, so the budget is now
+    # 440 s; the second call, resumed, which 06 does not do, trained seed 0 again): PreNorm 22 s, AttnRes 1 block 27 s,
+    # 8 blocks 35 s, full 45 s (on one H200 at 300 steps: 65-78 s shared, 31 s alone)
+    "06": dict(steps=250, shared=False, first=38.3, per_run=32.9, gpu="H100",
+               runs_file="06_attention_residuals.runs.jsonl"),
     "07": dict(steps=500, shared=False, first=19.1, per_run=13.8,  # 5 later runs 12.4-15.6 s (estimated 30 s before)
                runs_file="07_latent_moe_and_situ.runs.jsonl"),
-    # 16: ESTIMATED from 01's seconds (1,000 steps of 128 x 256 tokens at one lr: KDA 30 s, GDN 14, Mamba2 10, linear
-    # 9): 16's MQAR and stack rows have as many tokens a step (32 x 1,024), the palindrome rows a quarter
-    "16": dict(steps=1000, shared=False, first=60.0, per_run=14.0, runs_file=None, estimated=True),
+    # 16: one H100 call's progress bar (its runs file did not come back: a call returns at most 8 files), 22 runs in
+    # 372 s: the first (MQAR, KDA, D = 64, with compilation) 51 s; MQAR KDA D = 128 68 s, Gated DeltaNet 20-27 s,
+    # Mamba2 16-23 s, linear attention 14-21 s; palindrome 2-10 s; stack KDA D = 64 30 s (01's seconds had
+    # estimated 14 s a run)
+    "16": dict(steps=1000, shared=False, first=51.0, per_run=(372.0 - 51.0) / 21, gpu="H100", runs_file=None),
 }
 
 
@@ -191,8 +200,8 @@ def plan(wanted=tuple(NOTEBOOKS)) -> str:
     sys.path.insert(0, str(ROOT))
     from k3lab.experiments.scales import SCALES
 
-    lines = [f"plan from measured H200 seconds (MEASURED; one call = {CALL_S:.0f} s, {OVERHEAD_S:.0f} s a notebook "
-             "outside training):",
+    lines = [f"plan from measured seconds (MEASURED: one H200 unless a row says H100; one call = {CALL_S:.0f} s, "
+             f"{OVERHEAD_S:.0f} s a notebook outside training):",
              f"{'nb':3s} {'runs':>4s} {'s/run':>6s} {'3 seeds':>8s} {'budget':>7s}  verdict"]
     for nb in wanted:
         p = plan_seconds(nb, SCALES[nb]["gpu"])
@@ -200,6 +209,7 @@ def plan(wanted=tuple(NOTEBOOKS)) -> str:
         fits_call = p["alone"] + OVERHEAD_S <= CALL_S
         shared = (f" (measured sharing the GPU: up to {p['worst']:.0f} s)" if MEASURED[nb]["shared"] else
                   " (ESTIMATED, not yet measured)" if MEASURED[nb].get("estimated") else "")
+        shared += f" (measured on one {MEASURED[nb]['gpu']})" if MEASURED[nb].get("gpu") else ""
         lines.append(f"{nb:3s} {p['runs']:4d} {p['per_run']:6.1f} {p['alone']:8.0f} {p['budget']:7.0f}  "
                      + ("fits its budget" if fits_budget else "does NOT fit its budget (whole seeds are cut)")
                      + ("; alone in one call" if fits_call else "; needs more than one call") + shared)
@@ -284,6 +294,9 @@ def main(argv=None) -> int:
     for n in wanted:
         if n not in NOTEBOOKS:
             ap.error(f"--only: {n} is not one of {sorted(NOTEBOOKS)}")
+        if args.resume is not None and n not in RESUMABLE:  # it would train every run again and log each twice
+            ap.error(f"--resume: notebook {n} does not reuse logged runs (only {', '.join(RESUMABLE)} do); run it "
+                     "without --resume")
     jobs = max(1, args.jobs)
     if not args.smoke:
         print(plan(wanted), flush=True)
