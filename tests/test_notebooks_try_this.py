@@ -14,15 +14,21 @@ def _run(tmp_path, name: str, **parameters):
     return out
 
 
-def test_notebook_12_plain_ep_gives_unequal_slots(tmp_path):
+def test_notebook_12_plain_ep_gives_unequal_slots():
     """Notebook 12: "set ep_kind = 'ep': the losses stay the same, but the slots_per_rank lists of that run become
-    unequal" — the notebook asserts the losses against one process (1e-5) and, for a plain-EP run, unequal slots."""
-    import json
-
-    out = _run(tmp_path, "12_scaling_up", ep_kind="ep")
-    text = json.dumps(json.loads(out.read_text())["cells"])
-    assert "[ep]: slots per EP rank" in text and "[moonep]: slots per EP rank" in text
-
+    unequal" — the notebook's cells with ep_kind = "ep", its launch loop restricted to the world-1 reference and the
+    world-4 run the sentence is about (the world-2 run does not use ep_kind), then its slots cell. The notebook's
+    asserts check the losses against one process (1e-5) and, for a plain-EP run, unequal slots."""
+    name, marker = "12_scaling_up", "from k3lab.parallel.launch import launch"
+    ns = _cells(name, stop=marker, ep_kind="ep")
+    loop = _changed_cell(name, marker, 'layouts = [(1, []), (world_size, ["--ep", str(ep), "--cp", str(cp)]), ',
+                         "layouts = [(1, []), ")
+    exec(compile(loop, f"{name}.ipynb §2 launches, world 1 and 4", "exec"), ns)
+    said = "slots per EP rank, first MoE layer"
+    slots = _changed_cell(name, said, said, said)  # the cell as it is
+    exec(compile(slots, f"{name}.ipynb §2 slots", "exec"), ns)
+    run = ns["runs"]["world 4 (ep 2, cp 2, ep)"]
+    assert run["ep_kind"] == "ep" and not all(len(set(s)) == 1 for s in run["slots_per_rank"]), run["slots_per_rank"]
 
 
 def _prefix_line(nb_path, index_of_cell) -> dict:

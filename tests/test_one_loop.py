@@ -334,11 +334,21 @@ def _cli(*args):
     (["--bogus", "1"], "error: unrecognized arguments: --bogus 1"),
     (["--steps"], "error: argument --steps: expected one argument"),
 ])
-def test_cli_errors_name_the_flag(args, message):
-    run = _cli("--data", "random", "--steps", "1", *args)
+def test_cli_errors_name_the_flag(args, message, capsys):
+    """Each case fails before anything starts, so it runs in this process (a real process: the next test)."""
+    from k3lab.parallel.run import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--data", "random", "--steps", "1", *args])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and message in err.strip().splitlines()[-1], err[-2000:]
+
+
+def test_cli_error_from_the_command_line_is_one_line_and_exit_2():
+    run = _cli("--data", "random", "--steps", "1", "--lr", "inf")
     assert run.returncode == 2, run.stderr[-2000:]
     lines = run.stderr.strip().splitlines()
-    assert message in lines[-1] and "Traceback" not in run.stderr, run.stderr[-2000:]
+    assert "error: --lr: must be a finite number > 0" in lines[-1] and "Traceback" not in run.stderr, run.stderr[-2000:]
 
 
 def test_cli_exposes_every_training_and_plan_field():
