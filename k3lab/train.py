@@ -406,7 +406,8 @@ def _setup(model, cfg: TrainConfig, parallel, first_batch_shape) -> _Run:
     net, experts = parallelize(net, groups, device, ep_kind=getattr(parallel, "ep_kind", "moonep"),
                                cp_layout=getattr(parallel, "cp_layout", "contiguous"), recompute=cfg.recompute,
                                recompute_layers=cfg.recompute_layers, compile=cfg.compile, param_dtype=bf16_compute,
-                               reduce_dtype=torch.float32 if on_shards else None)
+                               reduce_dtype=torch.float32 if on_shards else None,
+                               reshard_after_forward=getattr(parallel, "reshard_after_forward", True))
     if meta:
         from k3lab.parallel.materialize import materialize_from_rank0
 

@@ -52,6 +52,7 @@ A config name is ``PRESET-wN[-epE][-cpC]-BxT[@key=value,...]``: preset ``tiny`` 
 rows per data-parallel rank, T tokens per sequence (global; a CP rank holds T/C). Options:
 ``optimizer=adamw|sgd``, ``layers=N`` (k3slice), ``recompute=...``, ``rank=R`` (the simulated rank;
 default 0, or the last rank of the first CP group, which does the most causal work), ``ep_kind=moonep|ep``,
+``reshard=true|false`` (FSDP2 ``reshard_after_forward``, :class:`~k3lab.parallel.parallelize.ParallelOptions`),
 ``init=device|meta`` (meta: build on the meta device, lay out, ``to_empty``, fill for timing; k3slice's
 default), ``baseline=world1|local-experts``, ``vocab=V``.
 
@@ -483,7 +484,7 @@ def fake_process_group(world: int, rank: int, device: torch.device):
 PRESETS = ("tiny", "small", "k3slice")
 OPTIONS = {"optimizer": ("adamw", "sgd"), "recompute": None, "layers": int, "rank": int,
            "ep_kind": ("moonep", "ep"), "baseline": ("world1", "local-experts"), "init": ("device", "meta"),
-           "vocab": int}
+           "vocab": int, "reshard": ("true", "false")}
 
 
 @dataclass(frozen=True)
@@ -630,10 +631,10 @@ def init_for_timing(model: nn.Module, std: float) -> None:
                     setattr(b, attr, torch.zeros(value.shape, dtype=value.dtype, device=b.bias.device))
 
 
-def fsdp_expected_bytes(model: nn.Module) -> dict:
+def fsdp_expected_bytes(model: nn.Module, reshard_after_forward: bool = True) -> dict:
     """What FSDP2 should move per step on this model (after :func:`parallelize`): every FSDP-managed parameter
     (a DTensor) at its dim-0 size padded to a multiple of the mesh size, in its dtype (or FSDP's mixed
-    precision param dtype); all-gathered once in forward and, for the sublayers (reshard_after_forward), once
+    precision param dtype); all-gathered once in forward and, for the sublayers with ``reshard_after_forward``, once
     more in backward; reduce-scattered once (fp32 under mixed precision). FSDP2 reduce-scatters only the
     parameters that got a gradient: the count is below this by those that did not (layer 0's AttnRes
     query and norm, whose softmax has one source: 0.02% at ``tiny``)."""
@@ -659,7 +660,7 @@ def fsdp_expected_bytes(model: nn.Module) -> dict:
     for m in subs:
         for p in m.parameters():
             if hasattr(p, "device_mesh"):
-                ag += 2 * padded(p) * mp_dtype(m, p, "param_dtype").itemsize
+                ag += (2 if reshard_after_forward else 1) * padded(p) * mp_dtype(m, p, "param_dtype").itemsize
                 rs += padded(p) * mp_dtype(m, p, "reduce_dtype").itemsize
     for p in model.parameters():
         if hasattr(p, "device_mesh") and id(p) not in in_sub:
@@ -768,7 +769,8 @@ def run_config(spec: Spec, args, *, process_group: str = "fake") -> dict:
         model.fused_loss = args.fused_loss
         model, experts = parallelize(model, groups, device, ep_kind=spec.option("ep_kind", "moonep"),
                                      cp_layout="contiguous", recompute=spec.option("recompute", args.recompute),
-                                     compile=args.compile, param_dtype=param_dtype if distributed else None)
+                                     compile=args.compile, param_dtype=param_dtype if distributed else None,
+                                     reshard_after_forward=spec.option("reshard", "true") == "true")
         if meta:
             model.to_empty(device=device)
             init_for_timing(model, cfg.initializer_range)
@@ -781,7 +783,7 @@ def run_config(spec: Spec, args, *, process_group: str = "fake") -> dict:
         else:
             optimizer = make_optimizer(model, TrainConfig(optimizer="adamw", lr=1e-4))  # as fit builds it
         if distributed:
-            row["fsdp_expected"] = fsdp_expected_bytes(model)
+            row["fsdp_expected"] = fsdp_expected_bytes(model, spec.option("reshard", "true") == "true")
         row["setup_peak_gib"] = _peak_gib(device)
 
         gen = torch.Generator().manual_seed(args.seed)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from k3lab.config import ModelConfig
 from k3lab.data import batch_iterator
@@ -30,30 +31,51 @@ def _cfg(**kw):
     return TrainConfig(**{**dict(steps=STEPS, lr=1e-2, progress=False, device="cpu"), **kw})
 
 
-# every switch of TrainConfig that runs on CPU, and the tolerance of 2 ranks against one process:
-# fp32 switches change only summation order (1e-5); bf16 weights are fp32 masters in both, but one process
-# rounds the gradients to bf16 before reducing them and FSDP2 reduces in fp32 (bf16 noise, 2e-2)
+# every switch of TrainConfig that runs on CPU (and of ParallelOptions that one process does not have), and the
+# tolerance of 2 ranks against one process: fp32 switches change only summation order (1e-5); bf16 weights are fp32
+# masters in both, but one process rounds the gradients to bf16 before reducing them and FSDP2 reduces in fp32
+# (bf16 noise, 2e-2)
 SWITCHES = {
     "ep=2 (AdamW's groups split into DTensor shards and expert slices)": (dict(), 1e-5),
     "recompute=sublayer": (dict(recompute="sublayer"), 1e-5),
     "recompute=mixer": (dict(recompute="mixer"), 1e-5),
     "fused_loss": (dict(fused_loss=True), 1e-5),
     "bf16 weights, fp32 masters": (dict(dtype="bfloat16", param_dtype="bfloat16"), 2e-2),
+    "reshard_after_forward=False (FSDP2 keeps the gathered weights to the backward)": (dict(), 1e-5),
 }
+PARALLEL = {name: (dict(ep=2) if name.startswith("ep=2") else
+                   dict(reshard_after_forward=False) if name.startswith("reshard_after_forward") else {})
+            for name in SWITCHES}
+
+
+class _CountGathers(TorchDispatchMode):
+    """Counts the all-gather collectives issued under it (FSDP2's, and the balancer's: the same in every run)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += "allgather" in func.name() or "all_gather" in func.name()
+        return func(*args, **(kwargs or {}))
 
 
 def _switch_worker(rank, world):
     cfg = ModelConfig.preset("tiny")
-    out = {}
+    out, gathers = {}, {}
     for name, (kw, _) in SWITCHES.items():
-        opts = ParallelOptions(ep=2) if name.startswith("ep=2") else ParallelOptions()
-        result = fit(lambda: K3ForCausalLM(cfg), _batches(), _cfg(**kw), parallel=opts)
-        out[name] = result.losses
-    return out
+        opts = ParallelOptions(**PARALLEL[name])
+        with _CountGathers() as count:
+            result = fit(lambda: K3ForCausalLM(cfg), _batches(), _cfg(**kw), parallel=opts)
+        out[name], gathers[name] = result.losses, count.calls
+    return out, gathers
 
 
 def test_switches_at_two_ranks_equal_one_process():
-    ranks = run_ranks(_switch_worker, 2)
+    ranks, gathers = zip(*run_ranks(_switch_worker, 2))
+    # the switch took effect: the sublayers' weights are not gathered again for the backward
+    assert gathers[0]["reshard_after_forward=False (FSDP2 keeps the gathered weights to the backward)"] < (
+        gathers[0]["fused_loss"]), gathers[0]
     cfg = ModelConfig.preset("tiny")
     for name, (kw, tol) in SWITCHES.items():
         torch.manual_seed(0)

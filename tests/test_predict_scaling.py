@@ -88,7 +88,8 @@ def test_config_names():
 def fake_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("predict") / "rows.json"
     cmd = [sys.executable, str(SCRIPT), "--device", "cpu", "--dtype", "float32", "--steps", "1", "--warmup", "1",
-           "--configs", "tiny-w2-2x32", "tiny-w2-ep2-2x32@init=meta", "--json", str(out), "--raise-errors"]
+           "--configs", "tiny-w2-2x32", "tiny-w2-ep2-2x32@init=meta", "tiny-w2-2x32@reshard=false", "--json", str(out),
+           "--raise-errors"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = {r["config"]: r for r in json.loads(out.read_text())}
@@ -143,6 +144,11 @@ def test_fake_pg_counts_fsdp_bytes(fake_run):
     p = row["predicted"]["nvlink8"]
     assert p["overlap"] <= p["realistic"] <= p["no_overlap"]
     assert "| tiny-w2-2x32 | 2 | 64 |" in stdout  # the table, printed last
+    kept = rows["tiny-w2-2x32@reshard=false"]  # ParallelOptions.reshard_after_forward=False: no backward re-gather
+    got = _by_source_kind(kept)
+    assert got[("fsdp", "all_gather")] == pytest.approx(sub + root, rel=0.03)
+    assert got[("fsdp", "all_gather")] == pytest.approx(kept["fsdp_expected"]["all_gather"], rel=1e-6)
+    assert got[("fsdp", "reduce_scatter")] == pytest.approx(sub + root, rel=0.03)
 
 
 def test_fake_pg_counts_ep_all_to_all(fake_run):
