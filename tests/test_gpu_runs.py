@@ -123,6 +123,34 @@ def test_a_resumed_notebook_reuses_runs_logged_at_the_same_sizes_only(tmp_path):
     assert budget.by_variant == {"kda": 40.0}
 
 
+def test_notebook_06_reuses_logged_runs_but_trains_the_first_seed(tmp_path):
+    """Notebook 06 with a runs file holding seeds 1 and 2 of every variant at its sizes (made up: every loss 9.0)
+    trains seed 0 only (its models feed the heatmaps) and judges on all three: PreNorm's mean carries the 9.0s."""
+    import re
+
+    import papermill
+
+    from k3lab.experiments.scales import run_sizes
+
+    runs_file = tmp_path / "06.runs.jsonl"
+    log = RunLog(runs_file, "06", "smoke")
+    sizes = dict(run_sizes(SCALES["06"]["smoke"]), preset="tiny")
+    history = [dict(step=i, loss=9.0) for i in range(1, 4)] + [dict(step=4, loss=9.0, val_loss=9.0)]
+    for seed in (1, 2):
+        for name in ("PreNorm", "AttnRes 1 block", "AttnRes 4 blocks", "AttnRes full"):
+            log.add(name, seed, sizes=sizes, val_loss=9.0, final_loss=9.0, seconds=1.0, history=history)
+    out = tmp_path / "06.ipynb"
+    papermill.execute_notebook(str(ROOT / "notebooks" / "06_attention_residuals.ipynb"), str(out), kernel_name="python3",
+                               parameters=dict(scale="smoke", runs_file=str(runs_file)), progress_bar=False,
+                               cwd=str(ROOT / "notebooks"))
+    text = out.read_text()
+    assert "4 runs in " in text and "8 reused from the runs file; seeds every variant finished: [0, 1, 2]" in text
+    prenorm = float(re.search(r"VERDICT AR-3: [^\n]*PreNorm ([\d.]+)±", text).group(1))
+    assert 7.0 < prenorm < 9.0, prenorm  # (seed 0's ~5 + 9 + 9) / 3
+    assert len(log.load()) == 12  # 8 made up + seed 0's 4, logged with their sizes and histories
+    assert all(r["sizes"] == json.loads(json.dumps(sizes)) and r["history"][-1]["step"] == 4 for r in log.load())
+
+
 def test_budget_predicts_each_variant_by_its_own_runs():
     """Notebook 01 on an H200: KDA runs took 60 s, Mamba2 20 s; the lineage's extra mixers at seed 0 may run only if
     the seeds still to come fit, each at its own speed (the longest run alone would under- or over-reserve)."""
@@ -199,8 +227,8 @@ def test_resume_only_for_the_notebooks_that_reuse_logged_runs(tmp_path, capsys):
         source = (ROOT / "notebooks" / f"{name}.ipynb").read_text()
         assert ("log.finished(" in source) == (nb in run_claims.RESUMABLE), nb
     with pytest.raises(SystemExit) as exit_:
-        run_claims.main(["--only", "06", "--resume", "notebooks/gpu_runs", "--out", str(tmp_path / "out")])
-    assert exit_.value.code == 2 and "--resume: notebook 06 does not reuse logged runs" in capsys.readouterr().err
+        run_claims.main(["--only", "07", "--resume", "notebooks/gpu_runs", "--out", str(tmp_path / "out")])
+    assert exit_.value.code == 2 and "--resume: notebook 07 does not reuse logged runs" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
 

@@ -7,8 +7,8 @@ From the repository root on the GPU machine (k3lab importable, papermill and ipy
     python notebooks/gpu_runs/run_claims.py --out /tmp/claims --smoke       # scale "smoke": the same pipeline on a CPU
     python notebooks/gpu_runs/run_claims.py --out "$OUT" --only 01 --resume notebooks/gpu_runs   # train what is missing
 
-``--resume`` applies to the notebooks that reuse logged runs (:data:`RESUMABLE`: 01 and 16); the others train all
-their runs in one call and refuse it. A device call returns at most 8 files from ``$OUT``: one notebook leaves 4.
+``--resume`` applies to the notebooks that reuse logged runs (:data:`RESUMABLE`: 01, 06 and 16; 06 trains its
+first seed again, whose models its heatmaps need); the others train all their runs in one call and refuse it. A device call returns at most 8 files from ``$OUT``: one notebook leaves 4.
 
 Each notebook runs as ``papermill <notebook> OUT/<notebook> -p scale gpu -p runs_file OUT/<name>.runs.jsonl
 -p budget_s B``, in its own process and kernel, one at a time (``--jobs``, default 1: on 2026-12-04 three notebooks
@@ -43,7 +43,7 @@ NOTEBOOKS = {"01": "01_linear_attention_lineage", "05": "05_nope_vs_rope", "06":
              "07": "07_latent_moe_and_situ", "16": "16_mixers_hard_regime"}
 MULTI_CALL = ("16",)  # notebooks whose 3 seeds need more than one call: each call trains what its budget allows and
 # the next resumes from the runs file (--resume notebooks/gpu_runs)
-RESUMABLE = ("01", "16")  # notebooks that reuse the runs their runs file holds; the others train every run again
+RESUMABLE = ("01", "06", "16")  # notebooks that reuse the runs their runs file holds; the others train every run again
 INLINE_BACKEND = "module://matplotlib_inline.backend_inline"
 H200_BF16_PEAK = 990e12  # dense bf16 FLOP/s
 MFU = 0.30  # what the small models are assumed to reach when compute-bound
