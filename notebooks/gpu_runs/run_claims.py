@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import signal
@@ -212,7 +213,9 @@ def plan(wanted=tuple(NOTEBOOKS)) -> str:
         shared += f" (measured on one {MEASURED[nb]['gpu']})" if MEASURED[nb].get("gpu") else ""
         lines.append(f"{nb:3s} {p['runs']:4d} {p['per_run']:6.1f} {p['alone']:8.0f} {p['budget']:7.0f}  "
                      + ("fits its budget" if fits_budget else "does NOT fit its budget (whole seeds are cut)")
-                     + ("; alone in one call" if fits_call else "; needs more than one call") + shared)
+                     + ("; alone in one call" if fits_call else
+                        f"; needs more than one call (about {math.ceil(p['alone'] / p['budget'])} resumed calls)")
+                     + shared)
     total = sum(plan_seconds(nb, SCALES[nb]["gpu"])["alone"] + OVERHEAD_S for nb in wanted)
     lines.append(f"{', '.join(wanted)}: about {total:.0f} s of GPU in all; one notebook a call (--only NN), each call "
                  f"stopped by --deadline {CALL_S - 60:.0f} s + --grace 60 s")
