@@ -767,10 +767,11 @@ def run_config(spec: Spec, args, *, process_group: str = "fake") -> dict:
         with torch.device("meta" if meta else device):
             model = K3ForCausalLM(cfg)
         model.fused_loss = args.fused_loss
+        reshard = spec.option("reshard", "true") == "true"  # FSDP2 reshard_after_forward
         model, experts = parallelize(model, groups, device, ep_kind=spec.option("ep_kind", "moonep"),
                                      cp_layout="contiguous", recompute=spec.option("recompute", args.recompute),
                                      compile=args.compile, param_dtype=param_dtype if distributed else None,
-                                     reshard_after_forward=spec.option("reshard", "true") == "true")
+                                     reshard_after_forward=reshard)
         if meta:
             model.to_empty(device=device)
             init_for_timing(model, cfg.initializer_range)
@@ -783,7 +784,7 @@ def run_config(spec: Spec, args, *, process_group: str = "fake") -> dict:
         else:
             optimizer = make_optimizer(model, TrainConfig(optimizer="adamw", lr=1e-4))  # as fit builds it
         if distributed:
-            row["fsdp_expected"] = fsdp_expected_bytes(model, spec.option("reshard", "true") == "true")
+            row["fsdp_expected"] = fsdp_expected_bytes(model, reshard)
         row["setup_peak_gib"] = _peak_gib(device)
 
         gen = torch.Generator().manual_seed(args.seed)

@@ -8,7 +8,8 @@ From the repository root on the GPU machine (k3lab importable, papermill and ipy
     python notebooks/gpu_runs/run_claims.py --out "$OUT" --only 01 --resume notebooks/gpu_runs   # train what is missing
 
 ``--resume`` applies to the notebooks that reuse logged runs (:data:`RESUMABLE`: 01, 06 and 16; 06 trains its
-first seed again, whose models its heatmaps need); the others train all their runs in one call and refuse it. A device call returns at most 8 files from ``$OUT``: one notebook leaves 4.
+first seed again, whose models its heatmaps need); the others train all their runs in one call and refuse it. A
+device call returns at most 8 files from ``$OUT``: one notebook leaves 4.
 
 Each notebook runs as ``papermill <notebook> OUT/<notebook> -p scale gpu -p runs_file OUT/<name>.runs.jsonl
 -p budget_s B``, in its own process and kernel, one at a time (``--jobs``, default 1: on 2026-12-04 three notebooks
@@ -53,8 +54,9 @@ OVERHEAD_S = 45.0  # per notebook outside its training budget: kernel start, imp
 
 # Seconds per training run measured on one NVIDIA H200 on 2026-12-04 (torch 2.11.0+cu130; 06 and 16 on one H100 on
 # 2026-12-06, ``gpu``), from the committed runs files (``notebooks/gpu_runs/NN_*.runs.jsonl``, ``seconds``;
-# ``tests/test_gpu_runs.py`` checks they agree) and, for 16, whose runs file did not come back, its progress bar. ``first``: the notebook's first run, which also
-# compiles Triton kernels and captures CUDA graphs; ``per_run``: the mean of the later runs; ``steps``: the steps they ran;
+# ``tests/test_gpu_runs.py`` checks they agree) and, for 16, whose runs file did not come back, its progress bar.
+# ``first``: the notebook's first run, which also compiles Triton kernels and captures CUDA graphs; ``per_run``: the
+# mean of the later runs; ``steps``: the steps they ran;
 # ``shared``: the notebook ran with two others on the same GPU (``--jobs 3``). Shared runs were 2.5-4x slower:
 # 05's runs took 58.8-64.9 s at 800 steps shared, 14.4-14.7 s at 500 alone (0.073-0.081 vs 0.029 s a step).
 SHARED_SLOWDOWN = 2.5  # the smallest ratio seen; a shared measurement divided by it is an optimistic "alone" figure
@@ -67,7 +69,7 @@ MEASURED = {
     "05": dict(steps=500, shared=False, first=47.0, per_run=14.2,  # 7 later runs 11.0-15.7 s; 8 runs in 146 s
                runs_file="05_nope_vs_rope.runs.jsonl"),
     # 06: two H100 calls, 14 runs (the first call 10 in 345 s of a 360 s budget: seed 2 was cut, so the budget is now
-    # 440 s; the second call, resumed, which 06 does not do, trained seed 0 again): PreNorm 22 s, AttnRes 1 block 27 s,
+    # 440 s; the second call, resumed before 06 reused logged runs, trained seed 0 again): PreNorm 22 s, AttnRes 1 block 27 s,
     # 8 blocks 35 s, full 45 s (on one H200 at 300 steps: 65-78 s shared, 31 s alone)
     "06": dict(steps=250, shared=False, first=38.3, per_run=32.9, gpu="H100",
                runs_file="06_attention_residuals.runs.jsonl"),
