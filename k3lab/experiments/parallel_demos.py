@@ -16,8 +16,8 @@ tokens (the caller takes the max over ranks).
 * :func:`comm_bytes` — the bytes a rank puts into ``torch.distributed.all_gather_into_tensor`` (and gets
   back from ``reduce_scatter_tensor`` in the backward) for one KDA and one Gated MLA layer at several T,
   recorded by wrapping the two collectives (:func:`count_collectives`).
-* :func:`run_many` — several of the above in one set of processes (each new process imports k3lab: about a second
-  of CPU).
+* :func:`run_many` — several of the above in one set of processes (each new process imports torch and k3lab:
+  about 4 s of CPU).
 
 The byte formulas the measurements are checked against: :func:`kda_cp_bytes`, :func:`mla_latent_bytes`,
 :func:`mla_full_kv_bytes`.

@@ -4,9 +4,8 @@ Each process: one torch thread, ``init_process_group("gloo")`` on a file store w
 rank that dies or waits in a mismatched collective ends the run with an error, never a hang),
 ``fn(rank, world, *args)``, ``destroy_process_group()``. Results come back through files in a
 temporary folder (pickled by these processes themselves, read back by the caller).
-The ranks fork from multiprocessing's fork server (``spawn`` where there is none), a process that imported torch
-once and nothing of the caller: ``fn`` must be importable (a module-level function), as with ``spawn``; notebooks
-call functions from :mod:`k3lab.experiments.parallel_demos`.
+``fn`` must be importable (a module-level function), since ``spawn`` starts fresh interpreters:
+notebooks call functions from :mod:`k3lab.experiments.parallel_demos`.
 """
 from __future__ import annotations
 
@@ -20,16 +19,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 TIMEOUT_S = 60  # seconds a collective may wait before the process group raises
-# imported once by the fork server, so a rank starts in milliseconds instead of importing torch (about 1 s of CPU a
-# rank: 8 spawned ranks took 8.7 s to start on 2 cores, forked 0.2 s). Only torch: a module that reads the
-# environment when imported (triton reads TRITON_INTERPRET) stays out, since the server's environment is the one
-# of its start; each rank gets the caller's environment at the call.
-PRELOAD = ["torch", "torch.distributed", "k3lab.parallel.spawn"]
 
 
-def _entry(rank: int, world: int, init: str, out_dir: str, fn, args, env: dict):
-    os.environ.clear()  # the caller's environment at the call (a forked rank has the server's, from its start)
-    os.environ.update(env)
+def _entry(rank: int, world: int, init: str, out_dir: str, fn, args):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=TIMEOUT_S))
@@ -42,15 +34,11 @@ def _entry(rank: int, world: int, init: str, out_dir: str, fn, args, env: dict):
 
 
 def run_ranks(fn, world: int, *args) -> list:
-    """Run ``fn(rank, world, *args)`` in ``world`` new gloo processes; return their results by rank.
+    """Run ``fn(rank, world, *args)`` in ``world`` spawned gloo processes; return their results by rank.
     ``fn`` must be a module-level function; results are pickled (test-local files only)."""
     out_dir = tempfile.mkdtemp(prefix="k3lab-dist-")
     init = f"file://{os.path.join(out_dir, 'store')}"
-    method = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"  # spawn: Windows
-    if method == "forkserver":  # takes effect when this process starts its server (the first call)
-        mp.set_forkserver_preload(PRELOAD)
-    mp.start_processes(_entry, args=(world, init, out_dir, fn, args, dict(os.environ)), nprocs=world,
-                       start_method=method)
+    mp.start_processes(_entry, args=(world, init, out_dir, fn, args), nprocs=world, start_method="spawn")
     results = []
     for r in range(world):
         with open(os.path.join(out_dir, f"rank{r}.pkl"), "rb") as f:
