@@ -45,6 +45,8 @@ eager ones and the replays compute the same numbers (tested on the GPU).
 """
 from __future__ import annotations
 
+import gc
+
 import torch
 from torch import nn
 
@@ -120,7 +122,11 @@ class GraphedForwardBackward:
                                f"(e.g. {stale[0]}); the captured backward must allocate them (zero_grad(set_to_none=True))")
         self.inputs = (x.clone(), y.clone())
         torch.cuda.synchronize()
-        torch.cuda.empty_cache()  # the graph allocates from a private pool: hand back what the eager steps cached
+        # the graph allocates from a private pool: hand back what the eager steps cached, and first collect the
+        # cycles torch.cuda.graph no longer collects (an earlier run's graphs and pools, held in a cycle, would stay
+        # until a full collection: on an H100 two of notebook 06's did, and the third run's capture ran out of memory)
+        gc.collect()
+        torch.cuda.empty_cache()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=self.stream):
             self.out, self.after = self._forward_backward(*self.inputs)

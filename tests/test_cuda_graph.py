@@ -83,3 +83,29 @@ def test_graphed_fit_equals_eager_fit(compile_mode, qk_clip_tau, master_format):
         for a, b in zip(mla_layers(m_eager), mla_layers(m_graph), strict=True):
             assert float(b.max_logit.max()) <= qk_clip_tau * (1 + 1e-6)
             assert_close("max_logit", a.max_logit.float(), b.max_logit.float(), 1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_capture_collects_an_earlier_runs_cycles():
+    """A graphed run kept alive only by a reference cycle (an earlier run's model, step and pool) is collected
+    before the next capture, not left to pin its memory until Python's next full collection."""
+    import gc
+
+    cfg = ModelConfig.preset("tiny")
+    tc = TrainConfig(steps=4, device="cuda", dtype="bfloat16", param_dtype="bfloat16", optimizer="adamw",
+                     cuda_graph=True, progress=False)
+    gc.collect()
+    gc.disable()  # no automatic collection between the runs: only the capture's may free the cycle
+    try:
+        torch.manual_seed(0)
+        held = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")  # 256 MiB, in a cycle below
+        cycle = [held]
+        cycle.append(cycle)
+        del held, cycle
+        before = torch.cuda.memory_allocated()
+        model = K3ForCausalLM(cfg).cuda()
+        fit(model, batches(cfg.vocab_size, device="cuda"), tc)
+        assert torch.cuda.memory_allocated() < before - (200 << 20), "the cycle's 256 MiB survived the capture"
+    finally:
+        gc.enable()

@@ -213,3 +213,40 @@ def test_try_this_fewer_tokens_per_param():
     assert g["tokens_per_param"] == 0.15 and g["min_steps"] == 10
     assert plan(0.15) == ({16: 10, 24: 10, 32: 18, 48: 38}, 21)
     assert plan(0.05) == ({16: 10, 24: 10, 32: 10, 48: 13}, 7)
+
+
+def test_fit_graphed_retries_eagerly_and_returns_a_model_without_gradients(monkeypatch):
+    """A failed capture is remembered and the run restarts eagerly from the same seed; the returned model holds no
+    gradients (a graphed run's live in the graph's memory pool, which a kept model would pin)."""
+    import torch
+    from torch import nn
+
+    import k3lab.train
+    from k3lab.experiments import scales
+    from k3lab.train import TrainConfig
+
+    seen = []
+
+    def fake_fit(model, batches, cfg, val_batches=None):
+        seen.append((cfg.cuda_graph, model.weight.detach().clone()))
+        model.weight.grad = torch.ones_like(model.weight)  # what a run leaves behind
+        if cfg.cuda_graph:
+            raise RuntimeError("capture invalidated")
+        return "result"
+
+    monkeypatch.setattr(k3lab.train, "fit", fake_fit)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(scales, "GRAPH_FAILURES", {})
+    torch.manual_seed(3)
+    model, result = scales.fit_graphed(lambda: nn.Linear(4, 4), None, TrainConfig(steps=1), variant="v")
+    assert result == "result" and model.weight.grad is None
+    assert "v" not in scales.GRAPH_FAILURES  # cuda_graph=False: one eager run
+    torch.manual_seed(3)
+    seen.clear()
+    model, result = scales.fit_graphed(lambda: nn.Linear(4, 4), None,
+                                       TrainConfig(steps=1, cuda_graph=True, device="cpu"),
+                                       variant="v")
+    assert [graphed for graphed, _ in seen] == [True, False] and torch.equal(seen[0][1], seen[1][1])  # same seed
+    assert "capture invalidated" in scales.GRAPH_FAILURES["v"] and result == "result" and model.weight.grad is None

@@ -270,8 +270,12 @@ GRAPH_FAILURES: dict[str, str] = {}  # variant -> why its capture failed (the la
 def fit_graphed(build, batches, cfg, *, variant: str, val_batches=None):
     """:func:`k3lab.train.fit` of ``build()`` (a fresh model, built under the caller's seed) with ``cfg``; when
     ``cfg.cuda_graph`` is set and the capture fails, the error is printed, remembered for ``variant`` in
-    :data:`GRAPH_FAILURES`, and the run restarts eagerly on a freshly built model. Returns ``(model, result)``."""
+    :data:`GRAPH_FAILURES`, and the run restarts eagerly on a freshly built model. Returns ``(model, result)``,
+    the model without gradients: a graphed run's gradients live in its graph's private memory pool, and a model
+    kept after its run (notebook 06 keeps its first seed's for the heatmaps) would pin that pool's segments
+    (on an H100, three kept models of notebook 06 held 37 GiB and the next capture ran out of memory)."""
     import dataclasses
+    import gc
 
     import torch
 
@@ -284,16 +288,23 @@ def fit_graphed(build, batches, cfg, *, variant: str, val_batches=None):
     rng = torch.get_rng_state()
     model = build()
     try:
-        return model, fit(model, batches, cfg, val_batches=val_batches)
+        result = fit(model, batches, cfg, val_batches=val_batches)
     except Exception as err:  # noqa: BLE001 — only a graphed run is retried; anything else is re-raised
         if not cfg.cuda_graph:
             raise
         GRAPH_FAILURES[variant] = f"{type(err).__name__}: {str(err)[:300]}"
         print(f"CUDA graph capture failed for {variant} ({GRAPH_FAILURES[variant]}); running it eagerly")
+        result = None  # the retry runs outside this block, once the traceback (and the failed graph) is gone
+    if result is None:
+        model = None
+        gc.collect()
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # the failed capture's pool
         torch.set_rng_state(rng)
         model = build()
-        return model, fit(model, batches, dataclasses.replace(cfg, cuda_graph=False), val_batches=val_batches)
+        result = fit(model, batches, dataclasses.replace(cfg, cuda_graph=False), val_batches=val_batches)
+    model.zero_grad(set_to_none=True)
+    return model, result
 
 
 def claim_verdict(comparisons: dict, seeds_done: int, seeds_wanted: int) -> str:
