@@ -729,8 +729,13 @@ def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
     kwargs = dict(cfg.optimizer_kwargs)
     if cfg.optimizer == "adamw" and True in kinds and all(p.is_cuda for p in params):
         kwargs.setdefault("fused", True)  # one fused kernel per group on the local shards (DTensor runs it shard-wise)
+    elif cfg.optimizer == "adamw" and True in kinds:
+        # on a CPU torch steps one tensor at a time by default: over DTensor shards that is one DTensor dispatch per
+        # op and tensor (tiny, N = 8, 2 CPU cores: 43 ms a step, against 5 ms with foreach)
+        kwargs.setdefault("foreach", True)
+    kwargs.setdefault("foreach", False if mixed and cfg.optimizer != "adamw" else None)
     optimizer = build_optimizer(model, cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=cfg.betas,
-                                foreach=False if mixed and cfg.optimizer != "adamw" else None, **kwargs)
+                                **kwargs)
     if mixed and type(optimizer) is torch.optim.AdamW:
         _split_groups_by_kind(optimizer)
     return optimizer
