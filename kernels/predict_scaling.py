@@ -692,6 +692,47 @@ def profile_step(step, device: torch.device, top: int) -> dict:
                 top_host=[(e.key[:90], e.count, e.self_cpu_time_total / 1e3) for e in by_host])
 
 
+# where a file's Python runs, for the host attribution (first match wins; the rest is "other Python")
+HOST_BUCKETS = (("torch/distributed/fsdp", "FSDP2 hooks and copies"), ("torch/distributed/tensor", "DTensor dispatch"),
+                ("torch/distributed", "torch.distributed"), ("torch/_dynamo", "dynamo (guards, frames)"),
+                ("torch/_inductor", "inductor runtime"), ("torch/_functorch", "AOT autograd runtime"),
+                ("torch/optim", "optimizer (Python)"), ("torch/autograd", "autograd (Python)"),
+                ("k3lab/", "k3lab"), ("torch/", "torch (other Python)"))
+
+
+def host_bucket(filename: str) -> str:
+    """The :data:`HOST_BUCKETS` name of a cProfile entry's file; C functions (``~``) are "C++ (ops, launches)"."""
+    if filename == "~" or filename.startswith("<"):
+        return "C++ (ops, launches, backward engine)"
+    path = filename.replace("\\", "/")
+    return next((name for key, name in HOST_BUCKETS if key in path), "other Python")
+
+
+def host_profile_step(step, device: torch.device, top: int) -> dict:
+    """One ``step()`` under ``cProfile``: the host's self time by :data:`HOST_BUCKETS` and the ``top`` Python
+    functions by self time (``file:function``, calls, ms). C++ work (ops, kernel launches, the autograd engine)
+    shows as the self time of the built-in that entered it."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    _sync(device)
+    t0 = time.perf_counter()
+    prof.enable()
+    step()
+    _sync(device)
+    prof.disable()
+    wall = time.perf_counter() - t0
+    entries = pstats.Stats(prof).stats  # (file, line, function) -> (primitive calls, calls, self s, cumulative s, ...)
+    buckets: dict[str, float] = {}
+    for (file, _, _), (_, _, self_s, _, _) in entries.items():
+        buckets[host_bucket(file)] = buckets.get(host_bucket(file), 0.0) + 1e3 * self_s
+    functions = sorted(entries.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
+    return dict(wall_ms=1e3 * wall, buckets=dict(sorted(buckets.items(), key=lambda kv: -kv[1])),
+                top=[(f"{file.split('site-packages/')[-1]}:{fn}"[-90:], calls, 1e3 * self_s)
+                     for (file, _, fn), (_, calls, self_s, _, _) in functions])
+
+
 def print_profile(row: dict) -> None:
     prof = row.get("profile")
     if not prof:
@@ -702,6 +743,19 @@ def print_profile(row: dict) -> None:
         print(f"{title:>15s} | calls | op")
         for name, calls, ms in prof[key]:
             print(f"{ms:15.2f} | {calls:5d} | {name}")
+
+
+def print_host_profile(row: dict) -> None:
+    prof = row.get("host_profile")
+    if not prof:
+        return
+    print(f"\n### host time of one step (cProfile): {row['config']}: wall {prof['wall_ms']:.1f} ms (profiled, slower)")
+    print(f"{'self host ms':>15s} | where")
+    for name, ms in prof["buckets"].items():
+        print(f"{ms:15.2f} | {name}")
+    print(f"{'self host ms':>15s} | calls | Python function")
+    for name, calls, ms in prof["top"]:
+        print(f"{ms:15.2f} | {calls:5d} | {name}")
 
 
 def _sync(device: torch.device) -> None:
@@ -874,6 +928,8 @@ def run_config(spec: Spec, args, *, process_group: str = "fake") -> dict:
             fwd_bwd.append(t_fb)
         if args.profile:  # one more step under the profiler: where this rank's step spends its GPU and host time
             row["profile"] = profile_step(step, device, args.profile)
+        if args.host_profile:  # and one under cProfile: which Python (FSDP2, DTensor, dynamo, k3lab) holds the host
+            row["host_profile"] = host_profile_step(step, device, args.host_profile)
         if process_group == "real":  # the slowest rank sets the step
             t = torch.tensor(times, dtype=torch.float64, device=device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -1092,6 +1148,9 @@ def main(argv=None) -> int:
     parser.add_argument("--raise-errors", action="store_true", help="stop at the first failing config")
     parser.add_argument("--profile", type=int, default=0, metavar="TOP",
                         help="profile one more step per config and print its TOP ops by device and host time")
+    parser.add_argument("--host-profile", type=int, default=0, metavar="TOP",
+                        help="one more step per config under cProfile: the host's time by package (FSDP2, DTensor, "
+                             "dynamo, inductor, k3lab, C++) and its TOP Python functions")
     args = parser.parse_args(argv)
 
     names = expand_configs(args.configs) if args.configs else [
@@ -1110,6 +1169,7 @@ def main(argv=None) -> int:
     _save(rows, args.json)
     for row in rows:
         print_profile(row)
+        print_host_profile(row)
     print(f"\nlink model {link.name}: {link.note}")
     if measured and args.predicted:
         with open(args.predicted) as f:
