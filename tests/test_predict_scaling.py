@@ -168,3 +168,31 @@ def test_fake_pg_counts_ep_all_to_all(fake_run):
     sub, root = _tiny_param_bytes(expert_parallel=True)  # the expert slices are EP's, not FSDP's
     assert got[("fsdp", "all_gather")] == pytest.approx(2 * sub + root, rel=0.03)
     assert math.isfinite(row["predicted"]["nvlink8"]["realistic"])
+
+
+def test_host_profile_attributes_time_by_package():
+    """--host-profile: a step that spends its host time in k3lab's Python and in a C++ op is attributed to those
+    two buckets, and its top functions name the k3lab function."""
+    import torch
+
+    from k3lab.residual import attn_res
+
+    ps = load_script()
+    assert ps.host_bucket("/x/site-packages/torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py") == \
+        "FSDP2 hooks and copies"
+    assert ps.host_bucket("/x/site-packages/torch/distributed/tensor/_dispatch.py") == "DTensor dispatch"
+    assert ps.host_bucket("~") == "C++ (ops, launches, backward engine)"
+    proj, norm = torch.nn.Linear(8, 1, bias=False), torch.nn.RMSNorm(8)
+    sources = [torch.randn(4, 8) for _ in range(3)]
+    a, b = torch.randn(300, 300), torch.randn(300, 300)
+
+    def step():
+        for _ in range(200):
+            attn_res(sources, proj, norm)
+        for _ in range(20):
+            a @ b
+
+    prof = ps.host_profile_step(step, torch.device("cpu"), top=50)
+    assert prof["wall_ms"] >= sum(prof["buckets"].values()) * 0.9
+    assert prof["buckets"]["k3lab"] > 0 and prof["buckets"]["C++ (ops, launches, backward engine)"] > 0
+    assert any("attn_res" in name and calls == 200 for name, calls, _ in prof["top"]), prof["top"]
