@@ -70,8 +70,9 @@ MEASURED = {
                runs_file="05_nope_vs_rope.runs.jsonl"),
     # 06: two H100 calls, 14 runs (the first call 10 in 345 s of a 360 s budget: seed 2 was cut, so the budget is now
     # 440 s; the second call, resumed before 06 reused logged runs, trained seed 0 again): PreNorm 22 s, AttnRes 1 block 27 s,
-    # 8 blocks 35 s, full 45 s (on one H200 at 300 steps: 65-78 s shared, 31 s alone)
-    "06": dict(steps=250, shared=False, first=38.3, per_run=32.9, gpu="H100",
+    # 8 blocks 35 s, full 45 s (on one H200 at 300 steps: 65-78 s shared, 31 s alone); a third call (2026-12-06
+    # evening) logged 3 runs before it ran out of memory: PreNorm 40 s (compiling), 1 block 28 s, 8 blocks 40 s (eager)
+    "06": dict(steps=250, shared=False, first=38.3, per_run=33.4, gpu="H100",
                runs_file="06_attention_residuals.runs.jsonl"),
     "07": dict(steps=500, shared=False, first=19.1, per_run=13.8,  # 5 later runs 12.4-15.6 s (estimated 30 s before)
                runs_file="07_latent_moe_and_situ.runs.jsonl"),
