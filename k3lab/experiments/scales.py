@@ -272,8 +272,7 @@ def fit_graphed(build, batches, cfg, *, variant: str, val_batches=None):
     ``cfg.cuda_graph`` is set and the capture fails, the error is printed, remembered for ``variant`` in
     :data:`GRAPH_FAILURES`, and the run restarts eagerly on a freshly built model. Returns ``(model, result)``,
     the model without gradients: a graphed run's gradients live in its graph's private memory pool, and a model
-    kept after its run (notebook 06 keeps its first seed's for the heatmaps) would pin that pool's segments
-    (on an H100, three kept models of notebook 06 held 37 GiB and the next capture ran out of memory)."""
+    kept after its run (notebook 06 keeps two for its heatmaps) would pin that pool's segments."""
     import dataclasses
     import gc
 
