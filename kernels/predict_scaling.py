@@ -758,6 +758,18 @@ def print_host_profile(row: dict) -> None:
         print(f"{ms:15.2f} | {calls:5d} | {name}")
 
 
+ALLOCATOR_COUNTS = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams")
+
+
+def allocator_counts(device: torch.device) -> dict:
+    """The CUDA caching allocator's running counters (:data:`ALLOCATOR_COUNTS`: retries after freeing the cache, and
+    cudaMalloc / cudaFree calls, each of which may synchronize the device); {} off CUDA."""
+    if device.type != "cuda":
+        return {}
+    stats = torch.cuda.memory_stats(device)
+    return {k: int(stats.get(k, 0)) for k in ALLOCATOR_COUNTS}
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -917,6 +929,7 @@ def run_config(spec: Spec, args, *, process_group: str = "fake") -> dict:
                                           if abs(v - python_side.get(k, 0)) > 0.01 * max(v, 1)}
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
+        before = allocator_counts(device)
         times, fwd_bwd = [], []
         for _ in range(args.steps):
             _sync(device)
@@ -926,6 +939,9 @@ def run_config(spec: Spec, args, *, process_group: str = "fake") -> dict:
             times.append(time.perf_counter() - t0)
             losses.append(loss)
             fwd_bwd.append(t_fb)
+        after = allocator_counts(device)
+        if after:  # per timed step: a step that makes the allocator free its cache and retry stalls the host
+            row["allocator_per_step"] = {k: (after[k] - before[k]) / args.steps for k in after}
         if args.profile:  # one more step under the profiler: where this rank's step spends its GPU and host time
             row["profile"] = profile_step(step, device, args.profile)
         if args.host_profile:  # and one under cProfile: which Python (FSDP2, DTensor, dynamo, k3lab) holds the host
@@ -1170,6 +1186,9 @@ def main(argv=None) -> int:
     for row in rows:
         print_profile(row)
         print_host_profile(row)
+        if row.get("allocator_per_step"):
+            print(f"{row['config']}: CUDA allocator per timed step: " +
+                  ", ".join(f"{k} {v:g}" for k, v in row["allocator_per_step"].items()))
     print(f"\nlink model {link.name}: {link.note}")
     if measured and args.predicted:
         with open(args.predicted) as f:

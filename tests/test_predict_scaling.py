@@ -182,6 +182,7 @@ def test_host_profile_attributes_time_by_package():
         "FSDP2 hooks and copies"
     assert ps.host_bucket("/x/site-packages/torch/distributed/tensor/_dispatch.py") == "DTensor dispatch"
     assert ps.host_bucket("~") == "C++ (ops, launches, backward engine)"
+    assert ps.allocator_counts(torch.device("cpu")) == {}  # the allocator's counters are CUDA's
     proj, norm = torch.nn.Linear(8, 1, bias=False), torch.nn.RMSNorm(8)
     sources = [torch.randn(4, 8) for _ in range(3)]
     a, b = torch.randn(300, 300), torch.randn(300, 300)
