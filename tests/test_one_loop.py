@@ -31,6 +31,39 @@ def _cfg(**kw):
     return TrainConfig(**{**dict(steps=STEPS, lr=1e-2, progress=False, device="cpu"), **kw})
 
 
+def _two_rank_jobs(rank, world, out_dir):
+    """Every 2-rank worker of this module, one after another in one start-up of the ranks (each spawned process
+    imports torch and k3lab: about 4 s of CPU). A job's exception is returned with its traceback, not raised, so
+    that only the test that owns the job fails."""
+    import traceback
+
+    jobs = {"switch": (_switch_worker,), "refusal": (_refusal_worker, dict(cuda_graph=True)),
+            "master switch": (_master_switch_worker,), "eval": (_eval_worker,),
+            "shard step": (_shard_step_worker, os.path.join(out_dir, "shard_step")),
+            "master resume": (_master_resume_worker, os.path.join(out_dir, "master_resume"))}
+    out = {}
+    for name, (worker, *args) in jobs.items():
+        try:
+            out[name] = ("ok", worker(rank, world, *args))
+        except Exception:  # noqa: BLE001 — reported by the test that owns the job
+            out[name] = ("error", traceback.format_exc())
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    return run_ranks(_two_rank_jobs, 2, str(tmp_path_factory.mktemp("two_ranks")))
+
+
+def _job(two_ranks, name):
+    """Job ``name``'s result on each rank (a rank's error fails the calling test with its traceback)."""
+    for rank, out in enumerate(two_ranks):
+        status, value = out[name]
+        if status == "error":
+            pytest.fail(f"rank {rank}, job {name!r}:\n{value}")
+    return [out[name][1] for out in two_ranks]
+
+
 # every switch of TrainConfig that runs on CPU (and of ParallelOptions that one process does not have), and the
 # tolerance of 2 ranks against one process: fp32 switches change only summation order (1e-5); bf16 weights are fp32
 # masters in both, but one process rounds the gradients to bf16 before reducing them and FSDP2 reduces in fp32
@@ -71,8 +104,8 @@ def _switch_worker(rank, world):
     return out, gathers
 
 
-def test_switches_at_two_ranks_equal_one_process():
-    ranks, gathers = zip(*run_ranks(_switch_worker, 2))
+def test_switches_at_two_ranks_equal_one_process(two_ranks):
+    ranks, gathers = zip(*_job(two_ranks, "switch"))
     # the switch took effect: the sublayers' weights are not gathered again for the backward
     assert gathers[0]["reshard_after_forward=False (FSDP2 keeps the gathered weights to the backward)"] < (
         gathers[0]["fused_loss"]), gathers[0]
@@ -85,10 +118,10 @@ def test_switches_at_two_ranks_equal_one_process():
             assert abs(a - b) / abs(b) < tol, (name, ranks[0][name], one)
 
 
-def test_refused_at_world_size_above_one_with_the_reason():
+def test_refused_at_world_size_above_one_with_the_reason(two_ranks):
     """What runs only in one process (the CUDA-graph step) is refused at 2 ranks naming the field and why (never
     silently ignored)."""
-    errors = run_ranks(_refusal_worker, 2, dict(cuda_graph=True))
+    errors = _job(two_ranks, "refusal")
     assert all("TrainConfig.cuda_graph=True" in e and "world size 2" in e for e in errors), errors
 
 
@@ -111,8 +144,8 @@ def _master_switch_worker(rank, world):
                       parallel=ParallelOptions()).losses for name, kw in MASTER_SETTINGS.items()}
 
 
-def test_bf16_moments_and_split_masters_at_two_ranks_equal_one_process():
-    ranks = run_ranks(_master_switch_worker, 2)
+def test_bf16_moments_and_split_masters_at_two_ranks_equal_one_process(two_ranks):
+    ranks = _job(two_ranks, "master switch")
     cfg = ModelConfig.preset("tiny")
     for name, kw in MASTER_SETTINGS.items():
         torch.manual_seed(0)
@@ -196,12 +229,12 @@ def _shard_step_worker(rank, world, out_dir):
     return out
 
 
-def test_master_step_on_local_shards_is_the_one_process_step(tmp_path):
+def test_master_step_on_local_shards_is_the_one_process_step(two_ranks):
     """bf16 moments and split masters on FSDP2-style shards: the fused step is elementwise, so each rank stepping
     its rows gives, bit for bit, the one-process step of the whole tensors (given the same global norm, itself
     equal: float64 sums of bf16 squares); a DCP checkpoint restores weights, masters (split: p and lo), moments
     and step counts bit for bit."""
-    for rank_out in run_ranks(_shard_step_worker, 2, str(tmp_path)):
+    for rank_out in _job(two_ranks, "shard step"):
         for name, checks in rank_out.items():
             assert all(ok for _, ok in checks), (name, [tag for tag, ok in checks if not ok])
 
@@ -223,11 +256,11 @@ def _master_resume_worker(rank, world, out_dir):
     return runs
 
 
-def test_resume_with_bf16_moments_and_split_masters_at_two_ranks(tmp_path):
+def test_resume_with_bf16_moments_and_split_masters_at_two_ranks(two_ranks):
     """A 2-rank run with bf16 moments and split masters, stopped after 2 of 4 steps and resumed from its DCP
     checkpoint, gives the uninterrupted run's losses bit for bit (steps 3 and 4 read the restored masters, moments
     and step counts); resuming it with the fp32-moment layout is refused naming the fields."""
-    for runs in run_ranks(_master_resume_worker, 2, str(tmp_path)):
+    for runs in _job(two_ranks, "master resume"):
         assert runs["half"] + runs["resumed"][2:] == runs["full"] and runs["resumed"] == runs["full"], runs
         assert "TrainConfig.moment_dtype='float32', master_format='float32'" in runs["other layout"], runs
 
@@ -430,10 +463,10 @@ def _eval_worker(rank, world):
     return result.column("val_loss")
 
 
-def test_evaluation_under_the_plan_equals_one_process():
+def test_evaluation_under_the_plan_equals_one_process(two_ranks):
     """Validation under context parallelism (each rank evaluates its slice of every global batch, the shares summed)
     gives the one-process validation loss."""
-    ranks = run_ranks(_eval_worker, 2)
+    ranks = _job(two_ranks, "eval")
     cfg = ModelConfig.preset("tiny").replace(num_nextn_predict_layers=1)
     torch.manual_seed(0)
     one = fit(K3ForCausalLM(cfg), _batches(), _cfg(eval_every=2, eval_batches=2), val_batches=_batches(seed=1))
