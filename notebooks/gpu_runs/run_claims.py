@@ -8,8 +8,8 @@ From the repository root on the GPU machine (k3lab importable, papermill and ipy
     python notebooks/gpu_runs/run_claims.py --out "$OUT" --only 01 --resume notebooks/gpu_runs   # train what is missing
 
 ``--resume`` applies to the notebooks that reuse logged runs (:data:`RESUMABLE`: 01, 06 and 16; 06 trains its
-first seed of AttnRes full and of its finest blocks again, whose models its heatmaps need); the others train all their runs in one call and refuse it. A
-device call returns at most 8 files from ``$OUT``: one notebook leaves 4.
+first seed of AttnRes full and of its finest blocks again, whose models its heatmaps need); the others train all
+their runs in one call and refuse it. A device call returns at most 8 files from ``$OUT``: one notebook leaves 4.
 
 Each notebook runs as ``papermill <notebook> OUT/<notebook> -p scale gpu -p runs_file OUT/<name>.runs.jsonl
 -p budget_s B``, in its own process and kernel, one at a time (``--jobs``, default 1: on 2026-12-04 three notebooks
