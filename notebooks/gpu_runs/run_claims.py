@@ -71,16 +71,17 @@ MEASURED = {
     # 06: two H100 calls, 14 runs (the first call 10 in 345 s of a 360 s budget: seed 2 was cut, so the budget is now
     # 440 s; the second call, resumed before 06 reused logged runs, trained seed 0 again): PreNorm 22 s, AttnRes 1 block 27 s,
     # 8 blocks 35 s, full 45 s (on one H200 at 300 steps: 65-78 s shared, 31 s alone); a third call (2026-12-06
-    # evening) logged 3 runs before it ran out of memory: PreNorm 40 s (compiling), 1 block 28 s, 8 blocks 40 s (eager)
-    "06": dict(steps=250, shared=False, first=38.3, per_run=33.4, gpu="H100",
+    # evening) logged 3 runs before it ran out of memory: PreNorm 40 s (compiling), 1 block 28 s, 8 blocks 40 s (eager);
+    # a fourth call (2026-12-06, late) finished it: 10 runs in 362 s (2 reused)
+    "06": dict(steps=250, shared=False, first=38.3, per_run=34.5, gpu="H100",
                runs_file="06_attention_residuals.runs.jsonl"),
     "07": dict(steps=500, shared=False, first=19.1, per_run=13.8,  # 5 later runs 12.4-15.6 s (estimated 30 s before)
                runs_file="07_latent_moe_and_situ.runs.jsonl"),
-    # 16: one H100 call's progress bar (its runs file did not come back: a call returns at most 8 files), 22 runs in
-    # 372 s: the first (MQAR, KDA, D = 64, with compilation) 51 s; MQAR KDA D = 128 68 s, Gated DeltaNet 20-27 s,
-    # Mamba2 16-23 s, linear attention 14-21 s; palindrome 2-10 s; stack KDA D = 64 30 s (01's seconds had
-    # estimated 14 s a run)
-    "16": dict(steps=1000, shared=False, first=51.0, per_run=(372.0 - 51.0) / 21, gpu="H100", runs_file=None),
+    # 16: three H100 calls on 2026-12-06 (resumed through the runs file), 54 runs in 899 s: the first (MQAR, KDA,
+    # D = 64, with compilation) 39 s; MQAR KDA 21-62 s, Gated DeltaNet 20-28 s, Mamba2 16-23 s, linear attention
+    # 15-21 s; palindrome 3-11 s; stack 10-36 s (an earlier call whose runs file did not come back: 22 runs in 372 s)
+    "16": dict(steps=1000, shared=False, first=39.4, per_run=16.2, gpu="H100",
+               runs_file="16_mixers_hard_regime.runs.jsonl"),
 }
 
 
