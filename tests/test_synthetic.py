@@ -1,13 +1,15 @@
 """KDA-9's hard regime (notebook 16): the verdict rule, the training harness, the notebook's smoke scale and its
 Try this (a second call on the same runs file trains nothing)."""
 import json
+import math
 from pathlib import Path
 
 import pytest
 import torch
 
-from k3lab.experiments.scales import SCALES
-from k3lab.experiments.synthetic import TASKS, kda9_verdict, task_rows, train_task, train_task_best_lr
+from k3lab.experiments.scales import SCALES, RunLog, run_sizes
+from k3lab.experiments.synthetic import (TASKS, kda9_verdict, mqar_chance, task_batches, task_rows, task_sizes,
+                                         train_task, train_task_best_lr)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -49,6 +51,46 @@ def test_train_task_is_seeded_and_scores_against_fresh_rows():
         train_task_best_lr("palindrome", "linear", [], **kw)
 
 
+def test_training_mix_cycles_difficulties_and_one_difficulty_is_the_plain_run():
+    kw = dict(batch_size=4, pool_batches=6, seed=3)
+    mixed = task_batches("mqar", 32, 16, 3, train_difficulty=[1, 2, 3], **kw)
+    for step in range(8):  # batch s has 1, 2, 3 pairs in turn: one scored query per pair and row
+        _, y = mixed(step)
+        assert ((y != -100).sum(1) == [1, 2, 3][step % 3]).all(), step
+    plain, one = task_batches("mqar", 32, 16, 3, **kw), task_batches("mqar", 32, 16, 3, train_difficulty=[3], **kw)
+    assert all(torch.equal(plain(s)[0], one(s)[0]) and torch.equal(plain(s)[1], one(s)[1]) for s in range(7))
+    assert not torch.equal(plain(0)[0], plain(1)[0]) and torch.equal(plain(0)[0], plain(6)[0])  # 6 batches, cycled
+    kw = dict(d_model=16, seq_len=16, vocab_size=32, difficulty=3, n_layers=1, steps=4, batch_size=4, test_examples=8,
+              chunk_size=4)
+    a, b = train_task("mqar", "linear", **kw), train_task("mqar", "linear", train_difficulty=[3], **kw)
+    assert a["final_loss"] == b["final_loss"] and a["accuracy"] == b["accuracy"]
+    assert train_task("mqar", "linear", train_difficulty=[1, 3], **kw)["final_loss"] != a["final_loss"]
+    with pytest.raises(ValueError, match="palindrome has no difficulty"):
+        task_batches("palindrome", 8, 12, 0, train_difficulty=[0, 2], **dict(batch_size=2, pool_batches=2, seed=0))
+
+
+def test_committed_gpu_runs_mqar_at_chance_and_reuse_per_task():
+    """The committed GPU runs (one H100, 2026-12-06) trained MQAR on 128 pairs alone: every MQAR run sits at the
+    uniform guess among the 4,096 values (the sentence in docs/claims.md and notebooks/GPU_RUNS.md). With the GPU
+    scale's training mix, notebook 16 retrains MQAR only and reuses every logged palindrome and stack run."""
+    path = ROOT / "notebooks" / "gpu_runs" / "16_mixers_hard_regime.runs.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    gpu = SCALES["16"]["gpu"]
+    assert mqar_chance(gpu["vocab"]["mqar"]) == 1 / 4096
+    mqar_runs = [r for r in records if r["variant"].startswith("mqar|")]
+    assert len(mqar_runs) == 21 and {r["sizes"]["difficulty"]["mqar"] for r in mqar_runs} == {128}
+    for r in mqar_runs:
+        assert abs(r["final_loss"] - math.log(4096)) < 0.002 and r["accuracy"] <= 2 * mqar_chance(8192), r["variant"]
+    log, sizes = RunLog(path, "16", "gpu"), run_sizes(gpu)
+    reusable = {t: log.finished_where(lambda got, t=t: task_sizes(got, t) == task_sizes(sizes, t)) for t in TASKS}
+    reusable = {t: [v for v, _ in runs if v.startswith(f"{t}|")] for t, runs in reusable.items()}
+    assert reusable["mqar"] == [] and len(reusable["palindrome"]) + len(reusable["stack"]) == len(records) - 21
+    # the training mix is what differs: without it every logged run matches its task again
+    old = dict(sizes, train_difficulty=None)
+    assert all(task_sizes(r["sizes"], r["variant"].split("|")[0]) == task_sizes(old, r["variant"].split("|")[0])
+               for r in records)
+
+
 def test_gpu_scale_is_zoologys_hard_regime():
     g = SCALES["16"]["gpu"]
     assert g["seq_len"]["mqar"] >= 1024 and g["difficulty"]["mqar"] >= 128 and g["vocab"]["mqar"] >= 2 * 128 + 2
@@ -57,6 +99,10 @@ def test_gpu_scale_is_zoologys_hard_regime():
     assert len(g["seeds"]) == 3 and g["n_layers"] == 2 and g["num_heads"] == 2
     for task in TASKS:  # the sizes are valid rows
         task_rows(task, g["vocab"][task], 1, g["seq_len"][task], g["difficulty"][task], seed=0)
+    mix = g["train_difficulty"]["mqar"]  # MQAR trains on a mix that ends at the tested difficulty
+    assert max(mix) == g["difficulty"]["mqar"] and min(mix) < max(mix)
+    for d in mix:
+        task_rows("mqar", g["vocab"]["mqar"], 1, g["seq_len"]["mqar"], d, seed=0)
 
 
 def test_smoke_scale_and_try_this_resume(tmp_path):
