@@ -29,6 +29,7 @@ from k3lab.model import K3ForCausalLM
 from k3lab.moe.latent import LatentMoE
 from k3lab.optim import build_optimizer
 from k3lab.parallel.checkpoint import load_distributed, resolve_distributed_checkpoint, save_distributed
+from k3lab.parallel.spawn import rank_context
 
 B, T, LR = 4, 16, 1e-2
 # two layers: KDA + dense MLP, then Gated MLA + LatentMoE
@@ -175,7 +176,8 @@ def run_scenario(rank: int, tmp: str) -> None:
 def scenario(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dcp")
     t0 = time.perf_counter()
-    mp.start_processes(run_scenario, args=(str(tmp),), nprocs=4, join=True, start_method="spawn")
+    rank_context()  # ranks forked from a server that has imported torch and k3lab once
+    mp.start_processes(run_scenario, args=(str(tmp),), nprocs=4, join=True, start_method="forkserver")
     print(f"scenario: {time.perf_counter() - t0:.1f} s")
     train = json.loads((tmp / "train.json").read_text())
     return dict(tmp=tmp, train=train,

@@ -25,6 +25,7 @@ from k3lab.mixers.lineage import kda_recurrent
 from k3lab.mixers.mla import GatedMLA
 from k3lab.parallel.context import (CP_LAYOUTS, CPContext, global_positions, kcp_mix, shard_sequence,
                                     unshard_sequence)
+from k3lab.parallel.spawn import rank_context
 
 MIX_OUT_TOL = 1e-6  # the functional KCP mix: output
 MIX_GRAD_TOL = 1e-5  # ... and dq, dk, dv, dg, dβ
@@ -177,7 +178,7 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
 
 def _spawn(world: int, tmp_path: Path) -> dict:
     """Run :func:`_worker` on ``world`` gloo ranks; returns ``{check: (max error over ranks, tol)}``."""
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()  # ranks forked from a server that has imported torch and k3lab once
     procs = [ctx.Process(target=_worker, args=(r, world, str(tmp_path / "init"), str(tmp_path)))
              for r in range(world)]
     for p in procs:

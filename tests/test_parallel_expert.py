@@ -18,6 +18,7 @@ from k3lab.experiments.moe_simulate import skewed_scores
 from k3lab.parallel.collectives import all_gather, all_reduce_sum
 from k3lab.parallel.expert import (EP_KINDS, ExpertParallelDispatcher, apply_expert_parallel, plan_ep, plan_moonep,
                                    route_counts, tokens_per_expert)
+from k3lab.parallel.spawn import rank_context
 from k3lab.testing import rel_err
 
 FP32 = 1e-5
@@ -298,7 +299,9 @@ def worker(rank, init_file, result_dir):
 def spawned():
     """{W: [results of each rank of one W-rank EP group]} for W = 2, 4."""
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(worker, args=(os.path.join(tmp, "init"), tmp), nprocs=WORLD, join=True)
+        rank_context()  # ranks forked from a server that has imported torch and k3lab once
+        mp.start_processes(worker, args=(os.path.join(tmp, "init"), tmp), nprocs=WORLD, join=True,
+                           start_method="forkserver")
         ranks = [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(WORLD)]
     return {4: [r[4] for r in ranks], 2: [r[2] for r in ranks[:2]], "other pair": [r[2] for r in ranks[2:]]}
 

@@ -35,7 +35,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.bias import causal_lower_right
 
 from k3lab.config import ModelConfig
 from k3lab.linear import Linear
@@ -440,6 +439,8 @@ class GatedMLA(nn.Module):
                 return prefill_chunk_attention(q, k, v, self.scale, PREFILL_ATTENTION).transpose(1, 2)
             # SDPA's memory-efficient kernel takes the lower-right mask without materialising [T, S] (qk 192 / v 128
             # allowed; flash refuses them)
+            from torch.nn.attention.bias import causal_lower_right  # here: importing it imports dynamo (2 s)
+
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q.shape[2], S), scale=self.scale)
             return o.float().transpose(1, 2)
         if fused:

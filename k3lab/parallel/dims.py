@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 AXES = ("dp_shard", "cp", "ep")
+EP_KINDS = ("moonep", "ep")  # MoonEP (balanced, replicas) and plain EP (experts at home only): k3lab.parallel.expert
 DEFAULT_TIMEOUT_S = 120.0  # every process group's timeout: a dead rank ends the run, nothing hangs
 
 

@@ -78,8 +78,7 @@ from torch import Tensor, nn
 
 from k3lab.moe.latent import DispatchPlan, LatentMoE, LocalDispatcher, RoutedExperts
 from k3lab.parallel.collectives import ProcessGroup, all_gather, all_to_all, group_rank, group_size
-
-EP_KINDS = ("moonep", "ep")  # MoonEP (balanced, replicas) and plain EP (experts at home only)
+from k3lab.parallel.dims import EP_KINDS
 
 
 # ----------------------------------------------------------------------------------------------

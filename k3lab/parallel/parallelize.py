@@ -39,8 +39,7 @@ from k3lab.mixers.mla import GatedMLA
 from k3lab.model import IGNORE_INDEX, LossShard
 from k3lab.moe.latent import LatentMoE, RoutedExperts
 from k3lab.parallel.context import CP_LAYOUTS
-from k3lab.parallel.dims import DEFAULT_TIMEOUT_S, ParallelDims, ParallelGroups, check_timeout
-from k3lab.parallel.expert import EP_KINDS
+from k3lab.parallel.dims import DEFAULT_TIMEOUT_S, EP_KINDS, ParallelDims, ParallelGroups, check_timeout
 from k3lab.parallel.fsdp import apply_fsdp
 
 
