@@ -176,8 +176,8 @@ def run_scenario(rank: int, tmp: str) -> None:
 def scenario(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dcp")
     t0 = time.perf_counter()
-    rank_context()  # ranks forked from a server that has imported torch and k3lab once
-    mp.start_processes(run_scenario, args=(str(tmp),), nprocs=4, join=True, start_method="forkserver")
+    method = rank_context().get_start_method()  # ranks forked from a server that imported torch and k3lab once
+    mp.start_processes(run_scenario, args=(str(tmp),), nprocs=4, join=True, start_method=method)
     print(f"scenario: {time.perf_counter() - t0:.1f} s")
     train = json.loads((tmp / "train.json").read_text())
     return dict(tmp=tmp, train=train,

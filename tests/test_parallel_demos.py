@@ -69,3 +69,24 @@ def test_formulas_at_k3_size():
     assert demos.predicted_bytes(k3, "mla_full_kv", 1, 131072, itemsize=2) == 131072 * 96 * 320 * 2
     with pytest.raises(ValueError, match="layer='gqa'"):
         demos.predicted_bytes(k3, "gqa", 1, 1)
+
+
+def _rank_view(rank, world):
+    import os
+    import sys
+
+    return os.environ.get("K3LAB_SPAWN_PROBE"), "k3lab.train" in sys.modules
+
+
+def test_run_ranks_gives_each_rank_the_callers_environment_and_the_preloaded_modules(monkeypatch):
+    """The ranks fork from a forkserver that the first call starts: a variable set after it started still reaches
+    them, as spawn would pass it, and k3lab's training stack is already imported (this module does not import it)."""
+    import multiprocessing
+
+    monkeypatch.delenv("K3LAB_SPAWN_PROBE", raising=False)
+    assert [env for env, _ in run_ranks(_rank_view, 2)] == [None, None]  # the server runs from here on
+    monkeypatch.setenv("K3LAB_SPAWN_PROBE", "set after the server started")
+    seen = run_ranks(_rank_view, 2)
+    assert [env for env, _ in seen] == ["set after the server started"] * 2
+    if "forkserver" in multiprocessing.get_all_start_methods():
+        assert all(preloaded for _, preloaded in seen)

@@ -299,9 +299,8 @@ def worker(rank, init_file, result_dir):
 def spawned():
     """{W: [results of each rank of one W-rank EP group]} for W = 2, 4."""
     with tempfile.TemporaryDirectory() as tmp:
-        rank_context()  # ranks forked from a server that has imported torch and k3lab once
-        mp.start_processes(worker, args=(os.path.join(tmp, "init"), tmp), nprocs=WORLD, join=True,
-                           start_method="forkserver")
+        method = rank_context().get_start_method()  # ranks forked from a server that imported torch and k3lab once
+        mp.start_processes(worker, args=(os.path.join(tmp, "init"), tmp), nprocs=WORLD, join=True, start_method=method)
         ranks = [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(WORLD)]
     return {4: [r[4] for r in ranks], 2: [r[2] for r in ranks[:2]], "other pair": [r[2] for r in ranks[2:]]}
 

@@ -11,11 +11,13 @@ The processes start from multiprocessing's *forkserver*, which imports torch, dy
 once (:data:`PRELOAD`) and forks each rank from there: a fresh interpreter per rank (``spawn``) spent about 5 s of
 CPU a rank on those imports, a minute of the test suite's 2 cores at 8 ranks. The server has run nothing, so the
 forks hold no threads or locks; each rank gets the caller's environment as it is at the call (a forkserver
-child would otherwise see the server's, from its start).
+child would otherwise see the server's, from its start; modules the server preloaded read theirs then). Where the
+platform has no forkserver (Windows), the ranks are spawned.
 """
 from __future__ import annotations
 
 import datetime
+import multiprocessing
 import os
 import pickle
 import tempfile
@@ -45,7 +47,10 @@ def _entry(rank: int, world: int, init: str, out_dir: str, fn, args, environ: di
 
 def rank_context():
     """multiprocessing's forkserver context, its server to import :data:`PRELOAD` when it starts (the module
-    docstring); for callers that start rank processes themselves. Their ranks see the server's environment."""
+    docstring), or spawn's where there is no forkserver; for callers that start rank processes themselves
+    (``start_method=rank_context().get_start_method()``). Their ranks see the server's environment."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(list(PRELOAD))  # no effect once the server runs
     return ctx
@@ -56,9 +61,8 @@ def run_ranks(fn, world: int, *args) -> list:
     ``fn`` must be a module-level function; results are pickled (test-local files only)."""
     out_dir = tempfile.mkdtemp(prefix="k3lab-dist-")
     init = f"file://{os.path.join(out_dir, 'store')}"
-    rank_context()
     mp.start_processes(_entry, args=(world, init, out_dir, fn, args, dict(os.environ)), nprocs=world,
-                       start_method="forkserver")
+                       start_method=rank_context().get_start_method())
     results = []
     for r in range(world):
         with open(os.path.join(out_dir, f"rank{r}.pkl"), "rb") as f:
