@@ -59,7 +59,7 @@ class GraphedForwardBackward:
     after ``warmup`` eager calls."""
 
     def __init__(self, model: nn.Module, autocast_dtype: torch.dtype | None = torch.bfloat16,
-                 warmup: int = WARMUP_CALLS, after_backward=None):
+                 warmup: int = WARMUP_CALLS, after_backward=None, forward=None):
         for module in model.modules():
             balancer = getattr(module, "balancer", None)
             if getattr(balancer, "exact", False):
@@ -72,6 +72,8 @@ class GraphedForwardBackward:
                              "(use cuda_graph=False)")
         self.model, self.autocast_dtype, self.warmup = model, autocast_dtype, warmup
         self.after_backward = after_backward  # () -> tensor, run after backward (the gradient norm and clip), captured too
+        # (x, y) -> the model's output with its loss; default model(x, labels=y) (a sharded rank also passes its shard)
+        self.forward = forward if forward is not None else (lambda x, y: model(x, labels=y))
         self.calls = 0
         self.stream = torch.cuda.Stream(device)
         self.graph: torch.cuda.CUDAGraph | None = None
@@ -85,7 +87,7 @@ class GraphedForwardBackward:
     def _forward_backward(self, x: Tensor, y: Tensor):
         with torch.autocast("cuda", dtype=self.autocast_dtype or torch.float32,
                             enabled=self.autocast_dtype is not None, cache_enabled=False):
-            out = self.model(x, labels=y)
+            out = self.forward(x, y)
         if out.loss is None:
             raise ValueError("fit: model(input_ids, labels=...) returned loss=None")
         out.loss.backward()

@@ -54,7 +54,10 @@ rows per data-parallel rank, T tokens per sequence (global; a CP rank holds T/C)
 default 0, or the last rank of the first CP group, which does the most causal work), ``ep_kind=moonep|ep``,
 ``reshard=true|false`` (FSDP2 ``reshard_after_forward``, :class:`~k3lab.parallel.parallelize.ParallelOptions`),
 ``init=device|meta`` (meta: build on the meta device, lay out, ``to_empty``, fill for timing; k3slice's
-default), ``baseline=world1|local-experts``, ``vocab=V``.
+default), ``baseline=world1|local-experts``, ``vocab=V``, ``graph=true|false`` (forward, backward and gradient
+norm replayed as one CUDA graph, :class:`k3lab.cuda_graph.GraphedForwardBackward`, captured after the counting
+step; the update stays eager and updates the captured gradients in place; not with EP, whose all-to-all sizes
+are read on the host; the one-GPU baseline is graphed too).
 
 Debugging: ``--raise-errors`` stops at the first failing config (else its row says OOM or the error);
 ``K3LAB_PREDICT_ANOMALY=1`` runs the steps under autograd anomaly mode (a failing backward op names its
@@ -484,7 +487,7 @@ def fake_process_group(world: int, rank: int, device: torch.device):
 PRESETS = ("tiny", "small", "k3slice")
 OPTIONS = {"optimizer": ("adamw", "sgd"), "recompute": None, "layers": int, "rank": int,
            "ep_kind": ("moonep", "ep"), "baseline": ("world1", "local-experts"), "init": ("device", "meta"),
-           "vocab": int, "reshard": ("true", "false")}
+           "vocab": int, "reshard": ("true", "false"), "graph": ("true", "false")}
 
 
 @dataclass(frozen=True)
@@ -583,7 +586,7 @@ def model_config(spec: Spec, local_experts: bool = False):
 def baseline_of(spec: Spec) -> Spec:
     """The one-GPU run at this config's per-rank shape [B, T/cp] (k3slice: E/ep experts, no EP)."""
     kind = spec.option("baseline", "local-experts" if spec.preset == "k3slice" else "world1")
-    keep = tuple((k, v) for k, v in spec.options if k in ("optimizer", "layers", "recompute", "vocab", "init"))
+    keep = tuple((k, v) for k, v in spec.options if k in ("optimizer", "layers", "recompute", "vocab", "init", "graph"))
     if kind == "local-experts" and spec.ep > 1:
         keep += (("experts_of_ep", spec.ep),)
     name = f"{spec.preset}-w1-{spec.B}x{spec.T // spec.cp}"
@@ -879,23 +882,44 @@ def run_config(spec: Spec, args, *, process_group: str = "fake") -> dict:
                             moved=int(plan.moved), home_load=plan.home_load.tolist()), file=sys.stderr)
                 raise
 
-        def _step() -> tuple[float, float, float]:
-            t0 = time.perf_counter()
-            with autocast:
-                out = model(x, labels=y) if shard is None else model(x, labels=y, shard=shard)
-            out.loss.backward()
+        def forward(x, y):
+            return model(x, labels=y) if shard is None else model(x, labels=y, shard=shard)
+
+        def grad_norm():
             if distributed:
                 sum_expert_grads_(expert_list, groups.edp)
-                norm = clip_grad_norm_(params, 1.0, experts, dims.world_size // dims.ep, groups.world)
-                values = torch.stack([out.loss.detach().double(), norm.double()])
-                dist.all_reduce(values, group=groups.world)
+                return clip_grad_norm_(params, 1.0, experts, dims.world_size // dims.ep, groups.world)
+            return nn.utils.clip_grad_norm_(params, 1.0)
+
+        graphed = None
+        if spec.option("graph", "false") == "true":
+            if device.type != "cuda" or spec.ep > 1 or spec.cp > 1:
+                raise ValueError(f"config {spec.name}: graph=true needs a CUDA device and no EP or CP (EP reads its "
+                                 "all-to-all sizes on the host, which a captured step cannot)")
+            from k3lab.cuda_graph import GraphedForwardBackward
+
+            # eager: the warmup steps and the counting step; the next step captures (untimed), the timed ones replay
+            graphed = GraphedForwardBackward(model, torch.bfloat16 if args.dtype == "bfloat16" else None,
+                                             warmup=args.warmup + int(distributed), after_backward=grad_norm,
+                                             forward=forward)
+
+        def _step() -> tuple[float, float, float]:
+            t0 = time.perf_counter()
+            if graphed is not None:
+                out, norm = graphed(x, y)
             else:
-                norm = nn.utils.clip_grad_norm_(params, 1.0)
-                values = torch.stack([out.loss.detach().double(), norm.double()])
+                with autocast:
+                    out = forward(x, y)
+                out.loss.backward()
+                norm = grad_norm()
+            values = torch.stack([out.loss.detach().double(), norm.double()])
+            if distributed:
+                dist.all_reduce(values, group=groups.world)
             loss, gnorm = values.tolist()  # the step's one host read-back, as the trainer's
             t_fwd_bwd = time.perf_counter() - t0
             optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            if graphed is None or not graphed.captured:  # a replayed backward writes the captured gradients
+                optimizer.zero_grad(set_to_none=True)
             if distributed:
                 reduce_max_logits_(model, groups.world)
             model.after_optimizer_step()
@@ -927,6 +951,9 @@ def run_config(spec: Spec, args, *, process_group: str = "fake") -> dict:
                 seen = {k: mode.bytes.get(k, 0) + counter.substituted.get(k, 0) for k in set(mode.bytes) | set(python_side)}
                 row["uncounted_bytes"] = {k: v - python_side.get(k, 0) for k, v in seen.items()
                                           if abs(v - python_side.get(k, 0)) > 0.01 * max(v, 1)}
+        if graphed is not None:  # the capture (untimed): it records the step and replays it once
+            losses.append(step()[0])
+            row["graphed"] = graphed.captured
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         before = allocator_counts(device)
@@ -1129,7 +1156,7 @@ def expand_configs(names: list[str]) -> list[str]:
     return out
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", nargs="+", default=None,
                         help=f"config names or lists {sorted(CONFIG_LISTS)} (default: one config from the flags below)")
@@ -1167,7 +1194,11 @@ def main(argv=None) -> int:
     parser.add_argument("--host-profile", type=int, default=0, metavar="TOP",
                         help="one more step per config under cProfile: the host's time by package (FSDP2, DTensor, "
                              "dynamo, inductor, k3lab, C++) and its TOP Python functions")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
 
     names = expand_configs(args.configs) if args.configs else [
         f"{args.preset}-w{args.world}" + (f"-ep{args.ep}" if args.ep > 1 else "")

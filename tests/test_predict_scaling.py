@@ -76,10 +76,14 @@ def test_config_names():
     assert ps.model_config(base, local_experts=False).n_routed_experts == 896
     cfg = ps.model_config(ps.Spec("b", "k3slice", 1, 2, 4096, 8, 1, ()), local_experts=True)
     assert (cfg.n_routed_experts, cfg.num_hidden_layers, cfg.full_attn_layers, cfg.hidden_size) == (112, 2, [2], 7168)
+    graphed = ps.parse_config("small-w8-16x1024@reshard=false,graph=true")
+    assert graphed.option("graph") == "true" and ps.baseline_of(graphed).option("graph") == "true"  # graphed vs graphed
+    assert ps.baseline_of(graphed).option("reshard") is None
     for names in ps.CONFIG_LISTS.values():
         for name in names:
             ps.parse_config(name)
-    for bad in ("small-16x1024", "huge-w2-2x64", "tiny-w2-2x", "tiny-w3-ep2-2x64", "tiny-w2-2x64@optimizer=lion"):
+    for bad in ("small-16x1024", "huge-w2-2x64", "tiny-w2-2x", "tiny-w3-ep2-2x64", "tiny-w2-2x64@optimizer=lion",
+                "tiny-w2-2x64@graph=yes"):
         with pytest.raises(ValueError):
             ps.parse_config(bad)
 
@@ -197,3 +201,31 @@ def test_host_profile_attributes_time_by_package():
     assert prof["wall_ms"] >= sum(prof["buckets"].values()) * 0.9
     assert prof["buckets"]["k3lab"] > 0 and prof["buckets"]["C++ (ops, launches, backward engine)"] > 0
     assert any("attn_res" in name and calls == 200 for name, calls, _ in prof["top"]), prof["top"]
+
+
+def test_graphed_config_is_refused_where_it_cannot_run():
+    """graph=true on a CPU, or with EP (host-read all-to-all sizes), is refused by name, not run eager."""
+    ps = load_script()
+    args = ps.build_parser().parse_args(["--device", "cpu", "--dtype", "float32", "--steps", "1", "--warmup", "1"])
+    with pytest.raises(ValueError, match="graph=true needs a CUDA device and no EP or CP"):
+        ps.run_config(ps.parse_config("tiny-w1-2x32@graph=true"), args, process_group="none")
+
+
+@pytest.mark.gpu
+def test_graphed_sharded_step_equals_the_eager_one(tmp_path):
+    """A fake-group FSDP rank (N = 2, fp32) replaying forward + backward + norm as a CUDA graph computes the eager
+    rank's losses step by step (same seed, same batch): the capture records FSDP2's all-gathers and reduce-scatters,
+    and the eager update writes into the captured gradients."""
+    out = tmp_path / "rows.json"
+    cmd = [sys.executable, str(SCRIPT), "--device", "cuda", "--dtype", "float32", "--steps", "3", "--warmup", "2",
+           "--no-baseline", "--configs", "tiny-w2-2x64@reshard=false", "tiny-w2-2x64@reshard=false,graph=true",
+           "tiny-w1-2x64", "tiny-w1-2x64@graph=true", "--json", str(out), "--raise-errors"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {r["config"]: r for r in json.loads(out.read_text())}
+    for eager, graphed in (("tiny-w2-2x64@reshard=false", "tiny-w2-2x64@reshard=false,graph=true"),
+                           ("tiny-w1-2x64", "tiny-w1-2x64@graph=true")):
+        assert rows[graphed]["graphed"] is True
+        a, b = rows[eager]["losses"], rows[graphed]["losses"]  # step by step; the graphed run has one more (the capture)
+        assert len(b) == len(a) + 1 >= 6 and b[-1] < b[0]  # the replayed steps train: the loss falls
+        assert b[:len(a)] == pytest.approx(a, rel=1e-4), (eager, a, b)
