@@ -70,25 +70,31 @@ def test_training_mix_cycles_difficulties_and_one_difficulty_is_the_plain_run():
 
 
 def test_committed_gpu_runs_mqar_at_chance_and_reuse_per_task():
-    """The committed GPU runs (one H100, 2026-12-06) trained MQAR on 128 pairs alone: every MQAR run sits at the
-    uniform guess among the 4,096 values (the sentence in docs/claims.md and notebooks/GPU_RUNS.md). With the GPU
-    scale's training mix, notebook 16 retrains MQAR only and reuses every logged palindrome and stack run."""
+    """The committed GPU runs (one H100, 2026-12-06 and 07): MQAR trained on 128 pairs alone (21 runs) and on the GPU
+    scale's mix of 16 to 128 pairs (19 runs) sits at the uniform guess among the 4,096 values in every run (the
+    sentence in docs/claims.md and notebooks/GPU_RUNS.md). Notebook 16 reuses, per task, the runs logged at its
+    current sizes: the mixed MQAR runs and every palindrome and stack run, never the 128-pair-only MQAR runs."""
     path = ROOT / "notebooks" / "gpu_runs" / "16_mixers_hard_regime.runs.jsonl"
     records = [json.loads(line) for line in path.read_text().splitlines()]
     gpu = SCALES["16"]["gpu"]
     assert mqar_chance(gpu["vocab"]["mqar"]) == 1 / 4096
     mqar_runs = [r for r in records if r["variant"].startswith("mqar|")]
-    assert len(mqar_runs) == 21 and {r["sizes"]["difficulty"]["mqar"] for r in mqar_runs} == {128}
+    mixed = [r for r in mqar_runs if (r["sizes"].get("train_difficulty") or {}).get("mqar")]
+    alone = [r for r in mqar_runs if r not in mixed]
+    assert len(alone) == 21 and len(mixed) == 19
+    assert {tuple(r["sizes"]["train_difficulty"]["mqar"]) for r in mixed} == {(16, 32, 64, 128)}
+    assert {r["sizes"]["difficulty"]["mqar"] for r in mqar_runs} == {128}  # both tested on 128 pairs
     for r in mqar_runs:
-        assert abs(r["final_loss"] - math.log(4096)) < 0.002 and r["accuracy"] <= 2 * mqar_chance(8192), r["variant"]
+        assert abs(r["final_loss"] - math.log(4096)) < 0.01 and r["accuracy"] <= 2 * mqar_chance(8192), r["variant"]
     log, sizes = RunLog(path, "16", "gpu"), run_sizes(gpu)
     reusable = {t: log.finished_where(lambda got, t=t: task_sizes(got, t) == task_sizes(sizes, t)) for t in TASKS}
     reusable = {t: [v for v, _ in runs if v.startswith(f"{t}|")] for t, runs in reusable.items()}
-    assert reusable["mqar"] == [] and len(reusable["palindrome"]) + len(reusable["stack"]) == len(records) - 21
-    # the training mix is what differs: without it every logged run matches its task again
+    assert len(reusable["mqar"]) == len(mixed)
+    assert len(reusable["palindrome"]) + len(reusable["stack"]) == len(records) - len(mqar_runs)
+    # the training mix is what differs: without it every 128-pair-only run matches its task again
     old = dict(sizes, train_difficulty=None)
     assert all(task_sizes(r["sizes"], r["variant"].split("|")[0]) == task_sizes(old, r["variant"].split("|")[0])
-               for r in records)
+               for r in records if r not in mixed)
 
 
 def test_gpu_scale_is_zoologys_hard_regime():
