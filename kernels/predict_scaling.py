@@ -951,11 +951,11 @@ def run_config(spec: Spec, args, *, process_group: str = "fake") -> dict:
                 seen = {k: mode.bytes.get(k, 0) + counter.substituted.get(k, 0) for k in set(mode.bytes) | set(python_side)}
                 row["uncounted_bytes"] = {k: v - python_side.get(k, 0) for k, v in seen.items()
                                           if abs(v - python_side.get(k, 0)) > 0.01 * max(v, 1)}
+        if device.type == "cuda":  # (before the capture: the graph's private pool is allocated there, and held)
+            torch.cuda.reset_peak_memory_stats(device)
         if graphed is not None:  # the capture (untimed): it records the step and replays it once
             losses.append(step()[0])
             row["graphed"] = graphed.captured
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
         before = allocator_counts(device)
         times, fwd_bwd = [], []
         for _ in range(args.steps):
