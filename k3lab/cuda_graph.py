@@ -39,6 +39,11 @@ What a replay needs, and what this module checks or arranges:
   stream both ways): autograd's gradient accumulators remember the stream they were made on, and one
   made on the default stream would make the captured backward wait on it, which capture forbids.
 
+* **A sharded rank** (FSDP2 alone, world size > 1) passes ``forward`` (its model call with the
+  :class:`~k3lab.model.LossShard`, whose global label counts are device tensors that ``fit`` refills before
+  each replay). FSDP2's all-gathers, reduce-scatters and side-stream waits are recorded in the capture; the
+  update stays eager. Expert parallelism cannot be captured: its all-to-all sizes are read on the host.
+
 The first ``warmup`` calls run eagerly (compilation and the libraries' lazy initialisation happen
 there, outside the capture); the next call captures and replays. Each call is one training step: the
 eager ones and the replays compute the same numbers (tested on the GPU).

@@ -29,11 +29,14 @@ IGNORE_INDEX = -100
 DEFAULT_CHUNK_ELEMENTS = 2 ** 26  # logits per chunk: 256 MiB in fp32 (K3's V: 409 rows; V = 4096: 16384 rows)
 
 
-def loss_divisor(labels: Tensor, num_valid: int | None) -> Tensor | int:
-    """The divisor of the summed CE: ``num_valid`` (at least 1) or this call's labels != -100 (at least 1,
-    a 0-d tensor: no host sync), as :func:`k3lab.model.masked_cross_entropy`."""
+def loss_divisor(labels: Tensor, num_valid: int | Tensor | None) -> Tensor | int:
+    """The divisor of the summed CE: ``num_valid`` (at least 1; an int, or a 0-d tensor that a captured step
+    refills before each replay) or this call's labels != -100 (at least 1, a 0-d tensor: no host sync), as
+    :func:`k3lab.model.masked_cross_entropy`."""
     if num_valid is None:
         return (labels != IGNORE_INDEX).sum().clamp_min(1)
+    if isinstance(num_valid, Tensor):
+        return num_valid.clamp_min(1)
     return max(int(num_valid), 1)
 
 

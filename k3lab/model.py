@@ -32,7 +32,7 @@ from torch import nn
 from k3lab.backend import resolve_backend
 from k3lab.config import ModelConfig
 from k3lab.linear import Linear
-from k3lab.losses import linear_cross_entropy
+from k3lab.losses import linear_cross_entropy, loss_divisor
 from k3lab.mixers.kda import KDA
 from k3lab.mixers.mla import GatedMLA, qk_clip_
 from k3lab.moe.latent import LatentMoE
@@ -181,14 +181,13 @@ class MTPHead(nn.Module):
         return self.norm(stream.output())
 
 
-def masked_cross_entropy(logits: Tensor, labels: Tensor, num_valid: int | None = None) -> Tensor:
+def masked_cross_entropy(logits: Tensor, labels: Tensor, num_valid: int | Tensor | None = None) -> Tensor:
     """CE summed over labels != -100 in float32, divided by ``num_valid`` (default: this call's
     valid labels, i.e. the mean; 0, not NaN, when none is valid). A data/context-parallel rank passes
-    the *global* count, so the ranks' losses add up to the one-process loss."""
+    the *global* count, so the ranks' losses add up to the one-process loss (a 0-d tensor in a captured
+    step, :func:`k3lab.losses.loss_divisor`)."""
     loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
-    if num_valid is None:
-        return loss / (labels != IGNORE_INDEX).sum().clamp_min(1)
-    return loss / max(int(num_valid), 1)
+    return loss / loss_divisor(labels, num_valid)
 
 
 @dataclass
@@ -204,8 +203,8 @@ class LossShard:
     label -100 (causal attention keeps it from touching the others). None: shift inside the slice.
     """
 
-    lm_tokens: int
-    mtp_tokens: int
+    lm_tokens: int | Tensor  # a 0-d device tensor in a captured step (refilled before each replay)
+    mtp_tokens: int | Tensor
     num_shards: int = 1
     mtp_input_ids: Tensor | None = None
     mtp_labels: Tensor | None = None

@@ -361,11 +361,11 @@ def _setup(model, cfg: TrainConfig, parallel, first_batch_shape) -> _Run:
     from k3lab.parallel.parallelize import expert_layout, expert_parameters, parallelize
 
     world = dist.get_world_size() if parallel is not None and dist.is_initialized() else 1
-    if world > 1:  # before any group is made: every rank refuses alike, none waits for the others
-        for name, runs, why in _NOT_SHARDED:
+    if world > 1 and (parallel.ep > 1 or parallel.cp > 1):  # before any group is made: every rank refuses alike
+        for name, runs, why in _NOT_EP_CP:
             if getattr(cfg, name) != runs:
-                raise ValueError(f"TrainConfig.{name}={getattr(cfg, name)!r}: at world size {world} {why}; "
-                                 f"use {name}={runs!r} (world size 1 runs it)")
+                raise ValueError(f"TrainConfig.{name}={getattr(cfg, name)!r}: with ep={parallel.ep}, cp={parallel.cp} "
+                                 f"{why}; use {name}={runs!r}, or ep=1 and cp=1")
     if parallel is None:
         groups = ParallelGroups(ParallelDims(1), 0, None, None, None, None)
     else:
@@ -430,10 +430,10 @@ def shard_masters(cfg: TrainConfig) -> bool:
     return cfg.param_dtype == "bfloat16" and (cfg.moment_dtype != "float32" or cfg.master_format != "float32")
 
 
-# TrainConfig values that run at world size 1 only: (field, the value a sharded run takes, why)
-_NOT_SHARDED = (
-    ("cuda_graph", False, "the step is not captured: its NCCL collectives (FSDP2's all-gathers and "
-                          "reduce-scatters, EP's all-to-alls with data-dependent sizes) are issued from Python hooks"),
+# TrainConfig values that a run with expert or context parallelism cannot take: (field, the value it takes, why)
+_NOT_EP_CP = (
+    ("cuda_graph", False, "the step is not captured: MoonEP reads its all-to-all sizes on the host at every MoE "
+                          "layer and CP's shard carries each batch's shifted tokens (FSDP alone is captured)"),
 )
 
 
@@ -550,7 +550,8 @@ def resolve_profile(cfg: TrainConfig, device_type: str, world_size: int = 1) -> 
     ``"fast"`` on CUDA fills every field of :data:`FAST_CUDA` that ``cfg`` leaves at its default (a field set to
     another value keeps it; to pin one at its default, use ``"reference"`` and set the others), except what this
     run cannot take: bf16 moments, split masters and (with bf16 weights) CUDA graphs need AdamW's fused step;
-    ``cuda_graph`` runs at world size 1 only. On a CPU, or with ``"reference"``, ``cfg`` is returned unchanged."""
+    ``cuda_graph`` is chosen at world size 1 only (a sharded run takes it when asked, with FSDP alone: not yet
+    measured through ``fit`` on real ranks). On a CPU, or with ``"reference"``, ``cfg`` is returned unchanged."""
     if cfg.profile == "reference" or device_type != "cuda":
         return cfg, []
     defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
@@ -775,13 +776,23 @@ class _Step:
         self.params = [p for p in run.model.parameters() if p.requires_grad]
         self.clip = cfg.grad_clip or math.inf
         self.graphed = self.graphed_update = None
+        self.counts = None  # [2] int64 on the device: a captured sharded step's global label counts, refilled each step
         if cfg.cuda_graph:
             if masters is not None and not masters.kernel:
                 raise ValueError("TrainConfig.cuda_graph=True with param_dtype='bfloat16' needs the fused master AdamW "
                                  f"step ({masters.why_not_fused()}); use cuda_graph=False")
+            forward = None
+            if run.distributed:  # FSDP's rank: its loss divides by the global batch's label counts, device tensors here
+                from k3lab.model import LossShard
+
+                self.counts = torch.zeros(2, dtype=torch.int64, device=run.device)
+                shard = LossShard(self.counts[0], self.counts[1], run.dims.world_size)
+
+                def forward(x, y):
+                    return run.model(x, labels=y, shard=shard)
             self.graphed = GraphedForwardBackward(run.model, torch.bfloat16 if cfg.dtype == "bfloat16" else None,
-                                                  after_backward=self.clip_grad_norm)
-            if masters is not None:  # the fused AdamW and the model's after-step work: a second graph
+                                                  after_backward=self.clip_grad_norm, forward=forward)
+            if masters is not None and not run.distributed:  # the fused AdamW and the after-step work: a second graph
                 self.graphed_update = GraphedOptimizerStep(run.model, masters, self.graphed)
 
     def clip_grad_norm(self):
@@ -818,8 +829,11 @@ class _Step:
             x, y = x.pin_memory(), y.pin_memory()
         x, y = x.to(run.device, non_blocking=True), y.to(run.device, non_blocking=True)
         if self.graphed is not None:  # eager for two steps, then captured once and replayed
-            if self.masters is not None:
+            if self.masters is not None and self.graphed_update is not None:
                 self.masters.sync_from_params()  # QK-Clip's eager rescale before a capture stays out of it
+            if self.counts is not None:  # this batch's global label counts, where the captured loss reads them
+                self.counts[0].fill_(shard.lm_tokens)
+                self.counts[1].fill_(shard.mtp_tokens)
             out, norm = self.graphed(x, y)  # forward, backward, gradient norm (and clip coefficient)
             if self.graphed.captured and self.masters is not None and not self.masters.keep_grads:
                 self.masters.keep_grads = True  # the replays write into the captured gradient tensors

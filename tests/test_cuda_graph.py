@@ -111,3 +111,78 @@ def test_capture_collects_an_earlier_runs_cycles():
         assert alive() is None, "the cycle's 256 MiB survived the capture"
     finally:
         gc.enable()
+
+
+def _fake_group_fit(cfg, train_cfgs):
+    """``fit`` at world size 2 as rank 0 of PyTorch's fake process group (one process, no second GPU: its
+    collectives return this rank's own data), FSDP alone, once per TrainConfig; the losses of each run."""
+    import torch.distributed as dist
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401 — registers the "fake" backend
+
+    from k3lab.parallel.parallelize import ParallelOptions
+
+    def batch(step):  # a few labels ignored, more in some steps: the global label counts change between batches
+        gen = torch.Generator().manual_seed(step % 4)
+        x = torch.randint(0, cfg.vocab_size, (4, 64), generator=gen)
+        y = torch.roll(x, -1, 1)
+        y[: step % 3, :7] = -100
+        return x, y
+
+    dist.init_process_group("fake", rank=0, world_size=2, store=dist.HashStore())
+    try:
+        out = []
+        for train_cfg in train_cfgs:
+            torch.manual_seed(0)
+            out.append(fit(lambda: K3ForCausalLM(cfg), batch, train_cfg, parallel=ParallelOptions(timeout=300)).losses)
+        return out
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_shards_label_counts_may_be_device_tensors():
+    """A captured sharded step reads the global label counts from 0-d device tensors (k3lab.train refills them before
+    each replay): the loss and its gradients equal those with the counts as ints, for the model's loss (main and
+    MTP, fused and not)."""
+    from k3lab.model import LossShard
+
+    cfg = ModelConfig.preset("tiny").replace(num_nextn_predict_layers=1)
+    torch.manual_seed(0)
+    model = K3ForCausalLM(cfg)
+    x = torch.randint(0, cfg.vocab_size, (2, 32))
+    y = torch.roll(x, -1, 1)
+    y[0, :5] = -100
+    for fused in (False, True):
+        model.fused_loss = fused
+        grads = []
+        for lm, mtp in ((300, 290), (torch.tensor(300), torch.tensor(290))):
+            model.zero_grad(set_to_none=True)
+            loss = model(x, labels=y, shard=LossShard(lm, mtp, 2)).loss
+            loss.backward()
+            grads.append((loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]))
+        (a, ga), (b, gb) = grads
+        assert torch.equal(a, b) and all(torch.equal(u, v) for u, v in zip(ga, gb)), fused
+
+
+def test_fake_group_harness_runs_fit_as_a_sharded_rank():
+    """The harness of the GPU test below, on the CPU: fit runs as rank 0 of a 2-rank fake group (FSDP2 wraps the
+    model, the heartbeat and the collectives run) and is deterministic run to run; the fake all-reduce does not sum,
+    so the rank reports its half of the global loss (about half of ln V at the start)."""
+    cfg = ModelConfig.preset("tiny")
+    a, b = _fake_group_fit(cfg, [TrainConfig(steps=3, lr=1e-2, device="cpu", progress=False)] * 2)
+    assert a == b and len(a) == 3
+    assert 0.4 * torch.log(torch.tensor(float(cfg.vocab_size))) < a[0] < 0.6 * torch.log(torch.tensor(float(cfg.vocab_size)))
+
+
+@pytest.mark.gpu
+def test_sharded_rank_graphed_equals_eager():
+    """fit at world size 2 (FSDP alone; rank 0 of the fake group on one GPU), cuda_graph=True against the same rank
+    eager, fp32, compiled sublayers: the same losses step by step through the two eager steps, the capture and the
+    replays (1e-4 relative), with label counts that change between batches, which the captured loss reads from
+    device tensors refilled before each replay (a count baked into the capture would be off by about 6 %)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    cfg = ModelConfig.preset("tiny")
+    base = dict(steps=7, lr=1e-2, device="cuda", progress=False, compile="sublayer")
+    eager, graphed = _fake_group_fit(cfg, [TrainConfig(**base), TrainConfig(**base, cuda_graph=True)])
+    assert len(eager) == len(graphed) == 7 and graphed[-1] < graphed[0]
+    assert graphed == pytest.approx(eager, rel=1e-4), (eager, graphed)

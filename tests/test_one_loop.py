@@ -37,7 +37,8 @@ def _two_rank_jobs(rank, world, out_dir):
     that only the test that owns the job fails."""
     import traceback
 
-    jobs = {"switch": (_switch_worker,), "refusal": (_refusal_worker, dict(cuda_graph=True)),
+    jobs = {"switch": (_switch_worker,), "refusal": (_refusal_worker, dict(cuda_graph=True), dict(ep=2)),
+            "graph on cpu": (_refusal_worker, dict(cuda_graph=True), {}),
             "master switch": (_master_switch_worker,), "eval": (_eval_worker,),
             "shard step": (_shard_step_worker, os.path.join(out_dir, "shard_step")),
             "master resume": (_master_resume_worker, os.path.join(out_dir, "master_resume"))}
@@ -118,11 +119,13 @@ def test_switches_at_two_ranks_equal_one_process(two_ranks):
             assert abs(a - b) / abs(b) < tol, (name, ranks[0][name], one)
 
 
-def test_refused_at_world_size_above_one_with_the_reason(two_ranks):
-    """What runs only in one process (the CUDA-graph step) is refused at 2 ranks naming the field and why (never
-    silently ignored)."""
+def test_graph_refused_with_expert_parallel_and_on_a_cpu_with_the_reason(two_ranks):
+    """The CUDA-graph step with EP is refused at 2 ranks naming the field, the degrees and why, before any group is
+    made (never silently ignored); FSDP alone takes it on CUDA, and on a CPU is refused as at world size 1."""
     errors = _job(two_ranks, "refusal")
-    assert all("TrainConfig.cuda_graph=True" in e and "world size 2" in e for e in errors), errors
+    assert all("TrainConfig.cuda_graph=True" in e and "ep=2, cp=1" in e and "host" in e for e in errors), errors
+    errors = _job(two_ranks, "graph on cpu")
+    assert all("TrainConfig.cuda_graph=True needs a CUDA device" in e for e in errors), errors
 
 
 # ---------------------------------------------------------------------------------------------
@@ -265,9 +268,9 @@ def test_resume_with_bf16_moments_and_split_masters_at_two_ranks(two_ranks):
         assert "TrainConfig.moment_dtype='float32', master_format='float32'" in runs["other layout"], runs
 
 
-def _refusal_worker(rank, world, kw):
+def _refusal_worker(rank, world, kw, parallel):
     try:
-        fit(lambda: K3ForCausalLM(ModelConfig.preset("tiny")), _batches(), _cfg(**kw), parallel=ParallelOptions())
+        fit(lambda: K3ForCausalLM(ModelConfig.preset("tiny")), _batches(), _cfg(**kw), parallel=ParallelOptions(**parallel))
     except ValueError as err:
         return str(err)
     return "no error"
