@@ -99,32 +99,6 @@ def pytest_configure(config):
         pin_test_autotuning()
 
 
-# The suite's longest files on 2 cores (.ci/run, 2026-12-07: a file's tests together, tens of seconds each), then every
-# notebook, longest first. pytest-xdist deals whole files (--dist loadfile, --no-loadscope-reorder) in collection
-# order, so these start first and the two workers end together: left to xdist's default (files with more tests
-# first) the long, few-test files came last and one worker ran alone at the end.
-LONGEST_FIRST = ("tests/test_notebooks_try_this.py", "tests/test_one_loop.py", "tests/test_kernels.py",
-                 "tests/test_scaling_harness.py", "tests/test_synthetic.py", "tests/test_moonep_property.py",
-                 "tests/test_kda_decode_fused.py", "tests/test_moe_decode_kernel.py", "tests/test_fused_adamw.py",
-                 "tests/test_operator_faults.py", "tests/test_parallel_demos.py",
-                 "notebooks/12_scaling_up.ipynb", "notebooks/01_linear_attention_lineage.ipynb",
-                 "notebooks/05_nope_vs_rope.ipynb", "notebooks/16_mixers_hard_regime.ipynb",
-                 "notebooks/09_train_tiny_k3.ipynb", "notebooks/07_latent_moe_and_situ.ipynb",
-                 "notebooks/13_inference.ipynb", "notebooks/15_scaling_laws.ipynb")
-
-
-def pytest_collection_modifyitems(config, items):
-    """The files of :data:`LONGEST_FIRST` first, in its order, then the other notebooks, then the rest (each file's
-    tests keep their order)."""
-    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
-
-    def key(item):
-        path = item.nodeid.split("::")[0]
-        return rank.get(path, len(rank) + (0 if path.endswith(".ipynb") else 1))
-
-    items.sort(key=key)
-
-
 GUARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # process-wide: what one test changes, the next one inherits
 _HANDLERS_BEFORE = pytest.StashKey[dict]()
 
