@@ -51,13 +51,15 @@ A config name is ``PRESET-wN[-epE][-cpC]-BxT[@key=value,...]``: preset ``tiny`` 
 (the K3 widths, ``layers`` layers: K3's dense KDA layer 1, MoE layers after it, Gated MLA last), N ranks, B
 rows per data-parallel rank, T tokens per sequence (global; a CP rank holds T/C). Options:
 ``optimizer=adamw|sgd``, ``layers=N`` (k3slice), ``recompute=...``, ``rank=R`` (the simulated rank;
-default 0, or the last rank of the first CP group, which does the most causal work), ``ep_kind=moonep|ep``,
+default 0, or the last rank of the first CP group, which does the most causal work), ``ep_kind=moonep|ep|static``
+(``static``: MoonEP with fixed shapes, planned on the device, :mod:`k3lab.parallel.expert_static`, its exchange
+timed by :func:`fixed_size_exchange`),
 ``reshard=true|false`` (FSDP2 ``reshard_after_forward``, :class:`~k3lab.parallel.parallelize.ParallelOptions`),
 ``init=device|meta`` (meta: build on the meta device, lay out, ``to_empty``, fill for timing; k3slice's
 default), ``baseline=world1|local-experts``, ``vocab=V``, ``graph=true|false`` (forward, backward and gradient
 norm replayed as one CUDA graph, :class:`k3lab.cuda_graph.GraphedForwardBackward`, captured after the counting
-step; the update stays eager and updates the captured gradients in place; not with EP, whose all-to-all sizes
-are read on the host; the one-GPU baseline is graphed too).
+step; the update stays eager and updates the captured gradients in place; with EP only ``ep_kind=static``, since
+the other dispatchers read their all-to-all sizes on the host; the one-GPU baseline is graphed too).
 
 Debugging: ``--raise-errors`` stops at the first failing config (else its row says OOM or the error);
 ``K3LAB_PREDICT_ANOMALY=1`` runs the steps under autograd anomaly mode (a failing backward op names its
@@ -466,6 +468,38 @@ def _probe_fills(device: torch.device) -> dict:
             "all_to_all": bool(a2a.isnan().any())}
 
 
+class _FixedSizeExchange(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, rows_out, group):
+        ctx.rows_in, ctx.group = x.shape[0], group
+        return _fixed_size_all_to_all(x, rows_out, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _fixed_size_all_to_all(grad, ctx.rows_in, ctx.group), None, None
+
+
+def _fixed_size_all_to_all(x, rows, group):
+    n = dist.get_world_size(group)
+    inp = torch.zeros(rows, *x.shape[1:], dtype=x.dtype, device=x.device)
+    k = min(rows, x.shape[0])
+    inp[:k] = x[:k]
+    flat = inp.reshape(-1)
+    pad = (-flat.numel()) % n  # equal splits: a multiple of the group size
+    flat = torch.cat([flat, flat.new_zeros(pad)]) if pad else flat
+    out = torch.empty_like(flat)
+    dist.all_to_all_single(out, flat, group=group)
+    return out[:inp.numel()].view_as(inp)
+
+
+def fixed_size_exchange(x, send, recv, rows_out, group):
+    """A stand-in for the capturable exchange of :mod:`k3lab.parallel.expert_static` on the fake group (timing
+    only): one equal-split ``all_to_all_single`` of ``rows_out`` rows each way, the sizes the device-initiated
+    exchange moves at most (the split sizes ``send``/``recv`` are ignored, so no host read). On the fake group it
+    returns this rank's own rows, so every rank computes rows as the simulated one does; it routes nothing."""
+    return _FixedSizeExchange.apply(x, rows_out, group)
+
+
 @contextlib.contextmanager
 def fake_process_group(world: int, rank: int, device: torch.device):
     """An initialised fake default group of ``world`` ranks in which this process is ``rank``; destroyed on
@@ -486,7 +520,7 @@ def fake_process_group(world: int, rank: int, device: torch.device):
 # ==============================================================================================
 PRESETS = ("tiny", "small", "k3slice")
 OPTIONS = {"optimizer": ("adamw", "sgd"), "recompute": None, "layers": int, "rank": int,
-           "ep_kind": ("moonep", "ep"), "baseline": ("world1", "local-experts"), "init": ("device", "meta"),
+           "ep_kind": ("moonep", "ep", "static"), "baseline": ("world1", "local-experts"), "init": ("device", "meta"),
            "vocab": int, "reshard": ("true", "false"), "graph": ("true", "false")}
 
 
@@ -837,10 +871,15 @@ def run_config(spec: Spec, args, *, process_group: str = "fake") -> dict:
             model = K3ForCausalLM(cfg)
         model.fused_loss = args.fused_loss
         reshard = spec.option("reshard", "true") == "true"  # FSDP2 reshard_after_forward
-        model, experts = parallelize(model, groups, device, ep_kind=spec.option("ep_kind", "moonep"),
+        ep_kind = spec.option("ep_kind", "moonep")
+        model, experts = parallelize(model, groups, device, ep_kind="moonep" if ep_kind == "static" else ep_kind,
                                      cp_layout="contiguous", recompute=spec.option("recompute", args.recompute),
                                      compile=args.compile, param_dtype=param_dtype if distributed else None,
                                      reshard_after_forward=reshard)
+        if ep_kind == "static" and spec.ep > 1:
+            from k3lab.parallel.expert_static import apply_static_moonep
+
+            apply_static_moonep(model, groups.ep, fixed_size_exchange)
         if meta:
             model.to_empty(device=device)
             init_for_timing(model, cfg.initializer_range)
@@ -893,9 +932,10 @@ def run_config(spec: Spec, args, *, process_group: str = "fake") -> dict:
 
         graphed = None
         if spec.option("graph", "false") == "true":
-            if device.type != "cuda" or spec.ep > 1 or spec.cp > 1:
-                raise ValueError(f"config {spec.name}: graph=true needs a CUDA device and no EP or CP (EP reads its "
-                                 "all-to-all sizes on the host, which a captured step cannot)")
+            if device.type != "cuda" or (spec.ep > 1 and ep_kind != "static") or spec.cp > 1:
+                raise ValueError(f"config {spec.name}: graph=true needs a CUDA device, no CP, and with EP "
+                                 "ep_kind=static (the other dispatchers read their all-to-all sizes on the host, "
+                                 "which a captured step cannot)")
             from k3lab.cuda_graph import GraphedForwardBackward
 
             # eager: the warmup steps and the counting step; the next step captures (untimed), the timed ones replay

@@ -19,6 +19,7 @@ from k3lab.model import K3ForCausalLM
 from k3lab.moe.latent import LatentMoE
 from k3lab.parallel.collectives import all_gather, all_reduce_sum
 from k3lab.parallel.expert import EP_KINDS, apply_expert_parallel, plan_moonep, tokens_per_expert
+from k3lab.parallel.expert_static import apply_static_moonep, plan_moonep_torch
 from k3lab.parallel.parallelize import ParallelOptions
 from k3lab.parallel.spawn import run_ranks
 from k3lab.testing import rel_err
@@ -105,8 +106,10 @@ def dispatch_vs_one_process(rank: int, world: int) -> dict:
             y_ref = ref.dispatcher.run(z_ref, idx, w_ref, ref.experts)                   # [W·S, L]
             (y_ref * gy).sum().backward()
             mine = slice(rank * S, (rank + 1) * S)
-            for kind in EP_KINDS:
-                ep = apply_expert_parallel(copy.deepcopy(base), None, kind)
+            for kind in EP_KINDS + ("moonep-static",):  # the fixed-shape MoonEP (k3lab.parallel.expert_static) too
+                ep = apply_expert_parallel(copy.deepcopy(base), None, kind.removesuffix("-static"))
+                if kind == "moonep-static":
+                    ep = apply_static_moonep(ep, None)
                 z_ep, w_ep = z[mine].clone().requires_grad_(), w[mine].clone().requires_grad_()
                 y = ep.dispatcher.run(z_ep, idx[mine], w_ep, ep.experts)                 # [S, L]
                 (y * gy[mine]).sum().backward()
@@ -116,7 +119,11 @@ def dispatch_vs_one_process(rank: int, world: int) -> dict:
                 for name in ("w1", "w3", "w2"):
                     got = all_gather(getattr(ep.experts, name).grad, None)
                     errs[f"grad {name}"] = rel_err(got, getattr(ref.experts, name).grad)
-                plan = ep.dispatcher.last_plan
+                if kind == "moonep-static":  # its device plan, the host planner's plan of the same counts
+                    plan = plan_moonep(tokens_per_expert(idx.view(world, S, K), E), K)
+                    errs["alloc"] = float((ep.dispatcher.last_alloc != plan.alloc).sum())
+                else:
+                    plan = ep.dispatcher.last_plan
                 out[(case, seed, kind)] = dict(errs=errs, slots=plan.slots.tolist(),
                                                replicas=plan.num_replicas.tolist(),
                                                lends=(plan.quota.sum(1) > 0).tolist(),
@@ -168,7 +175,7 @@ def test_routings_cover_the_collective_decisions(dispatched):
     world, results = dispatched
     r0 = results[0]
     for (case, seed, kind), out in r0.items():
-        if kind == "moonep":
+        if kind.startswith("moonep"):
             assert out["slots"] == [S * K] * world, (world, case, seed, out["slots"])
     idle = r0[("idle_rank", 0, "moonep")]
     assert sum(idle["replicas"]) > 0

@@ -204,10 +204,11 @@ def test_host_profile_attributes_time_by_package():
 
 
 def test_graphed_config_is_refused_where_it_cannot_run():
-    """graph=true on a CPU, or with EP (host-read all-to-all sizes), is refused by name, not run eager."""
+    """graph=true on a CPU, or with a host-planned EP dispatcher (host-read all-to-all sizes), is refused by name,
+    not run eager."""
     ps = load_script()
     args = ps.build_parser().parse_args(["--device", "cpu", "--dtype", "float32", "--steps", "1", "--warmup", "1"])
-    with pytest.raises(ValueError, match="graph=true needs a CUDA device and no EP or CP"):
+    with pytest.raises(ValueError, match="graph=true needs a CUDA device, no CP, and with EP ep_kind=static"):
         ps.run_config(ps.parse_config("tiny-w1-2x32@graph=true"), args, process_group="none")
 
 
@@ -229,3 +230,25 @@ def test_graphed_sharded_step_equals_the_eager_one(tmp_path):
         a, b = rows[eager]["losses"], rows[graphed]["losses"]  # step by step; the graphed run has one more (the capture)
         assert len(b) == len(a) + 1 >= 6 and b[-1] < b[0]  # the replayed steps train: the loss falls
         assert b[:len(a)] == pytest.approx(a, rel=1e-4), (eager, a, b)
+
+
+@pytest.mark.gpu
+def test_graphed_static_moonep_rank_equals_its_eager_step(tmp_path):
+    """A fake-group FSDP + MoonEP rank (N = 2, EP = 2, fp32) with the fixed-shape dispatcher
+    (k3lab.parallel.expert_static; no host read) captures: replayed as a CUDA graph it computes the eager rank's
+    losses step by step; the host-planned dispatcher's graph=true is refused by name."""
+    out = tmp_path / "rows.json"
+    eager, graphed = "tiny-w2-ep2-2x64@ep_kind=static,reshard=false", "tiny-w2-ep2-2x64@ep_kind=static,reshard=false,graph=true"
+    cmd = [sys.executable, str(SCRIPT), "--device", "cuda", "--dtype", "float32", "--steps", "3", "--warmup", "2",
+           "--no-baseline", "--configs", eager, graphed, "--json", str(out), "--raise-errors"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {r["config"]: r for r in json.loads(out.read_text())}
+    assert rows[graphed]["graphed"] is True
+    a, b = rows[eager]["losses"], rows[graphed]["losses"]
+    assert len(b) == len(a) + 1 >= 6 and b[-1] < b[0]
+    assert b[:len(a)] == pytest.approx(a, rel=1e-4), (a, b)
+    bad = subprocess.run([sys.executable, str(SCRIPT), "--device", "cuda", "--steps", "1", "--warmup", "1", "--no-baseline",
+                          "--configs", "tiny-w2-ep2-2x64@graph=true", "--raise-errors"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert bad.returncode != 0 and "ep_kind=static" in bad.stdout + bad.stderr

@@ -1,0 +1,197 @@
+"""MoonEP with fixed shapes: planned on the device, no host read, so a CUDA graph can capture it (issue 37).
+
+:class:`k3lab.parallel.expert.ExpertParallelDispatcher` reads the all-gathered counts ``tpe [R, E]`` back to the host
+once per MoE layer: ``all_to_all_single`` takes Python split lists, and the plan is cheapest in numpy. A CUDA-graph
+capture forbids that read. MoonEP's own guarantee makes a fixed-shape form possible:
+
+* every rank sends its S·K slots and **receives exactly CAP = S·K slots** (the plan balances every rank to CAP), so
+  the rows a rank computes are a static ``[S·K, L]``; only how they split over the source ranks varies;
+* every rank borrows from **one** donor, each lent expert once, so it holds at most ``El = E/R`` replicas;
+* a donor fills at most R−1 receivers, one round each, and a round's water fill empties every expert it takes
+  from except the last: a home rank lends at most ``El + R − 2`` (expert, receiver) pairs.
+
+So the rows, the replica weights and their counts fit fixed buffers: ``[S·K, L]`` rows each way, ``[El + R − 2]``
+weight rows out and ``[El]`` in (padding rows are zero and belong to no expert: their group counts are 0).
+
+Here everything is computed on the device from ``tpe``: the plan (:func:`plan_moonep_torch`, the same greedy as
+:func:`k3lab.parallel.expert.plan_moonep`, at most R−1 rounds of a few tensor ops, equal to it), the destination of
+every slot, both row orders and the group counts. The only thing that still needs variable split sizes is the
+exchange itself, which is a parameter (:data:`Exchange`):
+
+* :func:`exchange_reference` reads the split sizes on the host and runs the autograd all-to-all of
+  :mod:`k3lab.parallel.collectives` (any backend, gloo included; not capturable). With it this dispatcher equals
+  one process (``tests/test_moonep_property.py``).
+* A capturable exchange takes the split sizes as device tensors: NVSHMEM's device-initiated all-to-all
+  (``torch.ops.symm_mem.all_to_all_vdev``), which needs real GPUs on one host; none was lent, so it is not here.
+  ``kernels/predict_scaling.py`` times a fake-group rank with a fixed-size stand-in of the same bytes.
+
+The experts run as one grouped call over ``2·El`` groups: the home experts, then the replica slots (padding groups
+empty). Per forward this costs ~300 small kernels more than the host plan (the plan's rounds), which a graph
+launches at once.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor, nn
+
+from k3lab.moe.latent import DispatchPlan, LatentMoE, LocalDispatcher, RoutedExperts
+from k3lab.parallel.collectives import ProcessGroup, all_gather, all_to_all, group_rank, group_size
+from k3lab.parallel.expert import check_divisible
+
+# exchange(x [C_in, …], send [R], recv [R], rows_out, group) -> [rows_out, …]: the first send[d] rows of x (after the
+# send[<d] before them) go to rank d; the result holds recv[s] rows from each rank s in rank order, then zero rows
+# up to rows_out. send/recv are int64 device tensors; the backward is the reverse exchange.
+Exchange = Callable[[Tensor, Tensor, Tensor, int, "ProcessGroup | None"], Tensor]
+
+
+def exchange_reference(x: Tensor, send: Tensor, recv: Tensor, rows_out: int, group: ProcessGroup | None) -> Tensor:
+    """:data:`Exchange` by the autograd all-to-all, split sizes read on the host (any backend; not capturable)."""
+    send_l, recv_l = send.tolist(), recv.tolist()
+    if sum(recv_l) > rows_out:
+        raise ValueError(f"exchange: {sum(recv_l)} rows to receive, the fixed buffer holds {rows_out}")
+    got = all_to_all(x[: sum(send_l)], recv_l, send_l, group)                           # [Σ recv, …]
+    return torch.cat([got, got.new_zeros(rows_out - got.shape[0], *got.shape[1:])])
+
+
+def plan_moonep_torch(tpe: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(alloc [E, R], quota [R, R], home_load [R]) int64 from ``tpe [R, E]`` on its device, with no host read.
+
+    The greedy of :func:`k3lab.parallel.expert.plan_moonep` (module docstring there, steps 1–3), round for round:
+    the most underloaded rank u is filled from the most overloaded home h (ties to the lowest rank), h's experts
+    with the most remaining slots first. It always runs R−1 rounds; a round with nothing left to fill moves 0."""
+    R, E = tpe.shape
+    El = E // R
+    dev = tpe.device
+    ranks = torch.arange(R, device=dev)                                                   # [R]
+    cap = tpe[0].sum()                                                                    # 0-d S·K
+    remaining = tpe.sum(0).view(R, El).clone()                                            # [R, El] home slots kept
+    home_load = remaining.sum(1)                                                          # [R]
+    balance = home_load - cap                                                             # [R]
+    moved = torch.zeros(R, El, R, dtype=torch.int64, device=dev)                          # [h, e_local, u]
+    for _ in range(R - 1):
+        u, h = balance.argmin(), balance.argmax()                                         # 0-d each
+        need = (-balance.gather(0, u[None])).clamp(min=0)                                 # [1] u's deficit
+        at_u, at_h = (ranks == u).long(), (ranks == h).long()                             # [R] one-hot
+        balance = balance + need * at_u - need * at_h
+        rem = remaining.index_select(0, h[None])[0]                                       # [El]
+        vals, idx = rem.sort(descending=True, stable=True)                                # largest expert first
+        before = vals.cumsum(0) - vals                                                    # [El]
+        take = torch.zeros_like(rem).scatter(0, idx, torch.minimum((need - before).clamp(min=0), vals))  # [El]
+        remaining = remaining - at_h[:, None] * take[None]
+        moved = moved + at_h[:, None, None] * take[None, :, None] * at_u[None, None, :]
+    kept = torch.zeros(E, R, dtype=torch.int64, device=dev).scatter(
+        1, (torch.arange(E, device=dev) // El)[:, None], remaining.reshape(E, 1))        # [E, R] at home
+    alloc = moved.reshape(E, R) + kept                                                    # lent + kept at home
+    return alloc, moved.sum(1), home_load
+
+
+def route_counts_torch(tpe: Tensor, alloc: Tensor) -> Tensor:
+    """[R(s), E, R(d)] slots of expert e that source s sends to destination d (as :func:`~k3lab.parallel.expert.
+    route_counts`): the overlap of s's interval of e's slots with d's."""
+    src_end, dst_end = tpe.cumsum(0), alloc.cumsum(1)                                    # [R, E], [E, R]
+    lo = torch.maximum((src_end - tpe)[:, :, None], (dst_end - alloc)[None])             # [R, E, R]
+    return (torch.minimum(src_end[:, :, None], dst_end[None]) - lo).clamp(min=0)
+
+
+class StaticMoonEPDispatcher:
+    """MoonEP's dispatch with fixed shapes and no host read (module docstring); ``run`` as
+    :class:`k3lab.parallel.expert.ExpertParallelDispatcher`'s: ``z [S, L]``, ``topk_idx [S, K]``,
+    ``topk_weight [S, K]``, ``experts`` (this rank's home slice) -> ``u [S, L]`` fp32.
+
+    Per forward on rank r (M = S·K slots):
+
+    1. count the slots per expert, all-gather → ``tpe [R, E]``; plan on the device; ``n [R, E, R]`` route counts;
+    2. each sorted slot's global position in its expert's list picks its destination d (``searchsorted`` in
+       ``cumsum_d alloc[e, d]``); the slots are sent (d, e, p)-ordered: ``[M, L]`` out, ``[M, L]`` in;
+    3. received rows, in blocks (s, e), are grouped by bank: home experts, then the ≤ El replicas in global id
+       order (padded to El groups);
+    4. the replica weights come from their donor in one exchange (``[El + R − 2]`` rows out, ``[El]`` in);
+    5. one grouped expert call over the 2·El groups, rows back to received order, exchanged back, combined.
+
+    Records ``last_alloc`` ([E, R] int64, on the device) after each forward.
+    """
+
+    def __init__(self, group: ProcessGroup | None, num_experts: int, exchange: Exchange = exchange_reference):
+        self.group, self.num_experts, self.exchange = group, num_experts, exchange
+        self.num_ranks, self.rank = group_size(group), group_rank(group)
+        check_divisible(num_experts, self.num_ranks)
+        self.num_local = num_experts // self.num_ranks
+        self._local = LocalDispatcher()  # its combine
+        self.last_alloc: Tensor | None = None
+
+    @torch.compiler.disable  # collectives and a data-dependent plan: eager (or captured whole by a CUDA graph)
+    def run(self, z: Tensor, topk_idx: Tensor, topk_weight: Tensor, experts: RoutedExperts) -> Tensor:
+        R, r, E, El = self.num_ranks, self.rank, self.num_experts, self.num_local
+        if (experts.num_experts, experts.num_local_experts, experts.expert_offset) != (E, El, r * El):
+            raise ValueError(f"experts: holds experts [{experts.expert_offset}, +{experts.num_local_experts}) of "
+                             f"{experts.num_experts}; rank {r} of {R} needs [{r * El}, +{El}) of {E} "
+                             "(use apply_expert_parallel)")
+        S, K = topk_idx.shape
+        M, dev = S * K, z.device
+        ar = torch.arange(M, device=dev)                                                  # [M]
+        flat = topk_idx.reshape(-1)                                                       # [M]
+        counts = torch.zeros(E, dtype=torch.int64, device=dev).index_add_(0, flat, torch.ones_like(flat))  # [E]
+        tpe = all_gather(counts[None], self.group)                                        # [R, E]
+        alloc, _, _ = plan_moonep_torch(tpe)                                              # [E, R]
+        n = route_counts_torch(tpe, alloc)                                                # [R(s), E, R(d)]
+
+        # source side: destination of each slot, then (d, e, p) order
+        order = flat.argsort(stable=True)                                                 # [M] slots by expert
+        e_sorted = flat.index_select(0, order)                                            # [M]
+        first_local = (counts.cumsum(0) - counts).index_select(0, e_sorted)               # [M]
+        first_global = (tpe.cumsum(0) - tpe)[r].index_select(0, e_sorted)                 # [M] ranks < r before
+        position = first_global + ar - first_local                                        # [M] in e's global list
+        bounds = alloc.cumsum(1).index_select(0, e_sorted)                                # [M, R]
+        d = torch.searchsorted(bounds, position[:, None], right=True)[:, 0]               # [M] destination rank
+        send_slots = order.index_select(0, (d * E + e_sorted).argsort(stable=True))       # [M] by (d, e, p)
+        send, recv = n[r].sum(0), n[:, :, r].sum(1)                                       # [R] each
+        x_recv = self.exchange(z.index_select(0, send_slots // K), send, recv, M, self.group)  # [M, L] (s, e, p)
+
+        # destination side: bank index of every received row
+        n_in = n[:, :, r].reshape(-1)                                                     # [R·E] blocks (s, e)
+        e_recv = torch.searchsorted(n_in.cumsum(0), ar, right=True) % E                   # [M] expert of each row
+        home = torch.arange(E, device=dev) // El                                          # [E]
+        rep = (alloc > 0) & (home[:, None] != torch.arange(R, device=dev)[None])         # [E, R] replicas
+        rep_rank = rep[:, r].long().cumsum(0) - 1                                         # [E] slot among mine
+        bank = torch.where(home.index_select(0, e_recv) == r, e_recv - r * El,
+                           El + rep_rank.index_select(0, e_recv))                         # [M] in [0, 2·El)
+        perm = bank.argsort(stable=True)                                                  # [M] bank-major
+        bank_counts = torch.zeros(2 * El, dtype=torch.int64, device=dev).index_add_(0, bank, torch.ones_like(bank))
+
+        weights = self._replicas(experts, rep)                                            # [2·El, …] ×3
+        y = experts(x_recv.index_select(0, perm), bank_counts, weights)                   # [M, L] by bank
+        y_recv = torch.zeros_like(y).index_copy(0, perm, y)                               # (s, e, p) order
+        y_back = self.exchange(y_recv, recv, send, M, self.group)                         # [M, L] (d, e, p) order
+        self.last_alloc = alloc
+        return self._local.combine(y_back, DispatchPlan(send_slots, counts, S, K), topk_weight)  # [S, L] fp32
+
+    def _replicas(self, experts: RoutedExperts, rep: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """(w1, w3, w2) of the bank: the El home experts, then this rank's replicas fetched from their donor in
+        ascending global id, zero-padded to El. A home rank sends its lent (expert, receiver) pairs receiver-major
+        in a fixed buffer of El + R − 2 rows (padding rows: expert 0, not sent); the backward returns each
+        replica's gradient home, where ``index_select``'s backward adds it into the local parameter's."""
+        R, r, El = self.num_ranks, self.rank, self.num_local
+        own = (experts.w1, experts.w3, experts.w2)                                        # [El, I, L] ×2, [El, L, I]
+        lent = rep[r * El:(r + 1) * El].T.reshape(-1)                                     # [R·El] (d, e_local)
+        cap_out = min(El + R - 2, R * El)
+        pick = (~lent).to(torch.int8).argsort(stable=True)[:cap_out] % El                 # [cap_out] lent first
+        rows = torch.cat([w.index_select(0, pick).flatten(1) for w in own], 1)            # [cap_out, 3·I·L]
+        w_send = rep[r * El:(r + 1) * El].sum(0)                                          # [R] pairs to each rank
+        w_recv = rep[:, r].view(R, El).sum(1)                                             # [R] from each home
+        got = self.exchange(rows, w_send, w_recv, El, self.group)                         # [El, 3·I·L]
+        parts = got.split([w[0].numel() for w in own], 1)
+        return tuple(torch.cat([w, p.view(El, *w.shape[1:])]) for w, p in zip(own, parts))
+
+
+def apply_static_moonep(model_or_moe: nn.Module, ep_group: ProcessGroup | None,
+                        exchange: Exchange = exchange_reference) -> nn.Module:
+    """Swap every expert-parallel :class:`LatentMoE`'s dispatcher (after
+    :func:`k3lab.parallel.expert.apply_expert_parallel` with ``kind="moonep"``) for a
+    :class:`StaticMoonEPDispatcher` over ``ep_group`` with ``exchange``. Returns ``model_or_moe``."""
+    for moe in [m for m in model_or_moe.modules() if isinstance(m, LatentMoE)]:
+        if getattr(moe.dispatcher, "kind", None) != "moonep":
+            raise ValueError("apply_static_moonep: apply_expert_parallel(..., kind='moonep') first")
+        moe.dispatcher = StaticMoonEPDispatcher(ep_group, moe.experts.num_experts, exchange)
+    return model_or_moe
