@@ -148,6 +148,15 @@ def check_divisible(num_experts: int, num_ranks: int) -> None:
                          f"(allowed R: {[d for d in range(1, num_experts + 1) if num_experts % d == 0]})")
 
 
+def check_home_slice(experts: RoutedExperts, num_experts: int, num_ranks: int, rank: int) -> None:
+    """``experts`` must hold rank ``rank``'s home experts ``[rank·E/R, (rank+1)·E/R)`` of E (apply_expert_parallel)."""
+    E, R, r, El = num_experts, num_ranks, rank, num_experts // num_ranks
+    if (experts.num_experts, experts.num_local_experts, experts.expert_offset) != (E, El, r * El):
+        raise ValueError(f"experts: holds experts [{experts.expert_offset}, +{experts.num_local_experts}) of "
+                         f"{experts.num_experts}; rank {r} of {R} needs [{r * El}, +{El}) of {E} "
+                         "(use apply_expert_parallel)")
+
+
 def _check_tpe(tpe: Tensor) -> tuple[int, int]:
     if tpe.dim() != 2 or tpe.dtype != torch.int64:
         raise ValueError(f"tpe: expected an [R, E] int64 tensor, got shape {tuple(tpe.shape)} dtype {tpe.dtype}")
@@ -297,10 +306,7 @@ class ExpertParallelDispatcher:
     @torch.compiler.disable  # host planning on values read back every forward: eager (compiled it recompiled per step)
     def run(self, z: Tensor, topk_idx: Tensor, topk_weight: Tensor, experts: RoutedExperts) -> Tensor:
         R, r, E, El = self.num_ranks, self.rank, self.num_experts, self.num_local
-        if (experts.num_experts, experts.num_local_experts, experts.expert_offset) != (E, El, r * El):
-            raise ValueError(f"experts: holds experts [{experts.expert_offset}, +{experts.num_local_experts}) of "
-                             f"{experts.num_experts}; rank {r} of {R} needs [{r * El}, +{El}) of {E} "
-                             "(use apply_expert_parallel)")
+        check_home_slice(experts, E, R, r)
         S, K = topk_idx.shape
         dev = z.device
         flat = topk_idx.reshape(-1)                                                       # [S·K]

@@ -38,7 +38,7 @@ from torch import Tensor, nn
 
 from k3lab.moe.latent import DispatchPlan, LatentMoE, LocalDispatcher, RoutedExperts
 from k3lab.parallel.collectives import ProcessGroup, all_gather, all_to_all, group_rank, group_size
-from k3lab.parallel.expert import check_divisible
+from k3lab.parallel.expert import check_divisible, check_home_slice
 
 # exchange(x [C_in, …], send [R], recv [R], rows_out, group) -> [rows_out, …]: the first send[d] rows of x (after the
 # send[<d] before them) go to rank d; the result holds recv[s] rows from each rank s in rank order, then zero rows
@@ -124,10 +124,7 @@ class StaticMoonEPDispatcher:
     @torch.compiler.disable  # collectives and a data-dependent plan: eager (or captured whole by a CUDA graph)
     def run(self, z: Tensor, topk_idx: Tensor, topk_weight: Tensor, experts: RoutedExperts) -> Tensor:
         R, r, E, El = self.num_ranks, self.rank, self.num_experts, self.num_local
-        if (experts.num_experts, experts.num_local_experts, experts.expert_offset) != (E, El, r * El):
-            raise ValueError(f"experts: holds experts [{experts.expert_offset}, +{experts.num_local_experts}) of "
-                             f"{experts.num_experts}; rank {r} of {R} needs [{r * El}, +{El}) of {E} "
-                             "(use apply_expert_parallel)")
+        check_home_slice(experts, E, R, r)
         S, K = topk_idx.shape
         M, dev = S * K, z.device
         ar = torch.arange(M, device=dev)                                                  # [M]
