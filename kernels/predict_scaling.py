@@ -480,22 +480,23 @@ class _FixedSizeExchange(torch.autograd.Function):
 
 
 def _fixed_size_all_to_all(x, rows, group):
+    """``x [C_in, …]`` -> ``[rows, …]``: one equal-split all-to-all of min(C_in, rows) rows (the most either buffer
+    lets a device-initiated exchange move), padded with zero rows to ``rows``."""
     n = dist.get_world_size(group)
-    inp = torch.zeros(rows, *x.shape[1:], dtype=x.dtype, device=x.device)
     k = min(rows, x.shape[0])
-    inp[:k] = x[:k]
-    flat = inp.reshape(-1)
+    flat = x[:k].reshape(-1)
     pad = (-flat.numel()) % n  # equal splits: a multiple of the group size
-    flat = torch.cat([flat, flat.new_zeros(pad)]) if pad else flat
+    flat = torch.cat([flat, flat.new_zeros(pad)]) if pad else flat.contiguous()
     out = torch.empty_like(flat)
     dist.all_to_all_single(out, flat, group=group)
-    return out[:inp.numel()].view_as(inp)
+    moved = out[:k * x[0].numel()].view(k, *x.shape[1:])
+    return torch.cat([moved, moved.new_zeros(rows - k, *x.shape[1:])]) if rows > k else moved
 
 
 def fixed_size_exchange(x, send, recv, rows_out, group):
     """A stand-in for the capturable exchange of :mod:`k3lab.parallel.expert_static` on the fake group (timing
-    only): one equal-split ``all_to_all_single`` of ``rows_out`` rows each way, the sizes the device-initiated
-    exchange moves at most (the split sizes ``send``/``recv`` are ignored, so no host read). On the fake group it
+    only): one equal-split ``all_to_all_single`` of the fixed buffers' rows each way (the smaller buffer's: the
+    most the device-initiated exchange moves), the split sizes ``send``/``recv`` ignored, so no host read. On the fake group it
     returns this rank's own rows, so every rank computes rows as the simulated one does; it routes nothing."""
     return _FixedSizeExchange.apply(x, rows_out, group)
 

@@ -92,8 +92,8 @@ def test_config_names():
 def fake_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("predict") / "rows.json"
     cmd = [sys.executable, str(SCRIPT), "--device", "cpu", "--dtype", "float32", "--steps", "1", "--warmup", "1",
-           "--configs", "tiny-w2-2x32", "tiny-w2-ep2-2x32@init=meta", "tiny-w2-2x32@reshard=false", "--json", str(out),
-           "--raise-errors"]
+           "--configs", "tiny-w2-2x32", "tiny-w2-ep2-2x32@init=meta", "tiny-w2-2x32@reshard=false",
+           "tiny-w4-ep4-2x32@ep_kind=static", "--json", str(out), "--raise-errors"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = {r["config"]: r for r in json.loads(out.read_text())}
@@ -172,6 +172,26 @@ def test_fake_pg_counts_ep_all_to_all(fake_run):
     sub, root = _tiny_param_bytes(expert_parallel=True)  # the expert slices are EP's, not FSDP's
     assert got[("fsdp", "all_gather")] == pytest.approx(2 * sub + root, rel=0.03)
     assert math.isfinite(row["predicted"]["nvlink8"]["realistic"])
+
+
+def test_fake_pg_counts_the_fixed_shape_exchange(fake_run):
+    """ep_kind=static (k3lab.parallel.expert_static) on a fake rank of 4: per MoE layer the rows go out and back as
+    fixed [S·K, L] buffers and the replica weights as one fixed [E/R, 3·I·L] buffer (padded to a multiple of R), in
+    forward and again in backward: exactly those bytes, every one seen by the dispatch-level count too."""
+    from k3lab.config import ModelConfig
+    from k3lab.moe.latent import LatentMoE
+
+    rows, _ = fake_run
+    row = rows["tiny-w4-ep4-2x32@ep_kind=static"]
+    assert row["finite"] and row["uncounted_bytes"] == {}
+    cfg = ModelConfig.preset("tiny")
+    moe_layers = cfg.num_hidden_layers - cfg.first_k_dense_replace
+    w1 = LatentMoE(cfg).experts.w1                                                    # [E, I, L]
+    El, R = cfg.n_routed_experts // 4, 4
+    rows_bytes = 2 * 32 * cfg.num_experts_per_tok * w1.shape[2] * 4                    # [S·K, L] fp32
+    weight_numel = El * 3 * w1.shape[1] * w1.shape[2]
+    weight_bytes = (weight_numel + (-weight_numel) % R) * 4
+    assert _by_source_kind(row)[("ep", "all_to_all")] == moe_layers * (4 * rows_bytes + 2 * weight_bytes)
 
 
 def test_host_profile_attributes_time_by_package():
