@@ -63,6 +63,8 @@ all-to-alls keep their split lists). The real MoonEP kernels avoid the sync with
 the per-rank *received* total is always exactly S·K, a static shape. The padded expert path (CPU)
 adds its own sync for the largest group. Replica weights travel in the parameters' dtype (at most
 E/R experts × 3·I·L values per rank and layer).
+:mod:`k3lab.parallel.expert_static` is the same MoonEP with fixed shapes, planned on the device with no host read
+(what a CUDA-graph capture needs), its exchange a parameter.
 
 Use :func:`apply_expert_parallel` on a model (or one LatentMoE) built with the same seed on every
 rank: it slices ``experts.w1/w2/w3`` to the rank's home experts and installs the dispatcher. The
