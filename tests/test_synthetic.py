@@ -71,7 +71,7 @@ def test_training_mix_cycles_difficulties_and_one_difficulty_is_the_plain_run():
 
 def test_committed_gpu_runs_mqar_at_chance_and_reuse_per_task():
     """The committed GPU runs (one H100, 2026-12-06 and 07): MQAR trained on 128 pairs alone (21 runs) and on the GPU
-    scale's mix of 16 to 128 pairs (19 runs) sits at the uniform guess among the 4,096 values in every run (the
+    scale's mix of 16 to 128 pairs (24 runs, 3 seeds) sits at the uniform guess among the 4,096 values in every run (the
     sentence in docs/claims.md and notebooks/GPU_RUNS.md). Notebook 16 reuses, per task, the runs logged at its
     current sizes: the mixed MQAR runs and every palindrome and stack run, never the 128-pair-only MQAR runs."""
     path = ROOT / "notebooks" / "gpu_runs" / "16_mixers_hard_regime.runs.jsonl"
@@ -81,7 +81,7 @@ def test_committed_gpu_runs_mqar_at_chance_and_reuse_per_task():
     mqar_runs = [r for r in records if r["variant"].startswith("mqar|")]
     mixed = [r for r in mqar_runs if (r["sizes"].get("train_difficulty") or {}).get("mqar")]
     alone = [r for r in mqar_runs if r not in mixed]
-    assert len(alone) == 21 and len(mixed) == 19
+    assert len(alone) == 21 and len(mixed) == 24
     assert {tuple(r["sizes"]["train_difficulty"]["mqar"]) for r in mixed} == {(16, 32, 64, 128)}
     assert {r["sizes"]["difficulty"]["mqar"] for r in mqar_runs} == {128}  # both tested on 128 pairs
     for r in mqar_runs:
