@@ -75,6 +75,9 @@ class GraphedForwardBackward:
         if device.type != "cuda":
             raise ValueError(f"TrainConfig.cuda_graph=True needs a CUDA device, the model is on {device} "
                              "(use cuda_graph=False)")
+        for module in model.modules():  # the padded experts' capacity fixed at S from the first (eager) step on
+            if hasattr(module, "static_capacity"):
+                module.static_capacity = True
         self.model, self.autocast_dtype, self.warmup = model, autocast_dtype, warmup
         self.after_backward = after_backward  # () -> tensor, run after backward (the gradient norm and clip), captured too
         # (x, y) -> the model's output with its loss; default model(x, labels=y) (a sharded rank also passes its shard)

@@ -164,6 +164,28 @@ def test_a_shards_label_counts_may_be_device_tensors():
         assert torch.equal(a, b) and all(torch.equal(u, v) for u, v in zip(ga, gb)), fused
 
 
+def test_static_capacity_compiles_the_padded_experts_without_a_break():
+    """What GraphedForwardBackward sets on the experts (RoutedExperts.static_capacity): the padded path (fp32) takes
+    capacity S instead of reading the largest group back, so torch.compile traces it whole, with no graph break
+    whose resumed code could recompile in the middle of a capture (the GPU failure of 2026-12-07: "operation not
+    permitted when stream is capturing"), and computes the same rows as the read-back capacity."""
+    from k3lab.moe.latent import RoutedExperts
+
+    torch.manual_seed(0)
+    experts = RoutedExperts(4, 16, 24, impl="padded")
+    x = torch.randn(20, 16)
+    counts = torch.tensor([9, 0, 6, 5])
+    reference = experts(x, counts)
+    experts.static_capacity = True
+    assert_close("padded rows, capacity S", reference, experts(x, counts), 1e-6)  # fp32: the same rows
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(experts)(x, counts)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    experts.static_capacity = False
+    torch._dynamo.reset()
+    assert torch._dynamo.explain(experts)(x, counts).graph_break_count >= 1  # the read-back breaks the graph
+
+
 def test_fake_group_harness_runs_fit_as_a_sharded_rank():
     """The harness of the GPU test below, on the CPU: fit runs as rank 0 of a 2-rank fake group (FSDP2 wraps the
     model, the heartbeat and the collectives run) and is deterministic run to run; the fake all-reduce does not sum,

@@ -174,6 +174,11 @@ class RoutedExperts(nn.Module):
     ``num_experts`` is the global E; under expert parallelism the module holds experts
     ``[expert_offset, expert_offset + num_local_experts)`` only (``k3lab.parallel.expert``); by default
     all of them (offset 0, E local).
+
+    ``static_capacity`` (default False): the padded path's capacity is always S, never read back from the counts.
+    :class:`k3lab.cuda_graph.GraphedForwardBackward` sets it, so that the eager warmup steps trace, under
+    ``torch.compile``, the same code the capture records (a capacity chosen by whether the stream is capturing made
+    dynamo recompile in the middle of the capture, which CUDA refuses).
     """
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, act: str = "situ", beta: float = 4.0,
@@ -189,6 +194,7 @@ class RoutedExperts(nn.Module):
         self.w3 = nn.Parameter(torch.randn(E, I, L) * init_std)
         self.w2 = nn.Parameter(torch.randn(E, L, I) * init_std)
         self.num_experts, self.expert_offset, self.num_local_experts = E, 0, E
+        self.static_capacity = False
 
     def forward(self, x: Tensor, counts: Tensor, weights: ExpertWeights | None = None) -> Tensor:
         if x.is_cuda and torch.is_autocast_enabled("cuda"):
@@ -217,11 +223,13 @@ class RoutedExperts(nn.Module):
     def forward_padded(self, x: Tensor, counts: Tensor, weights: ExpertWeights | None = None) -> Tensor:
         """Scatter the groups into ``[E, C, L]`` (C = largest group, zero padding), three ``bmm``, gather back.
 
-        While a CUDA graph is being captured C is ``S`` (the bound no group exceeds), so that no value is
-        read back to the host; the padding rows are zeros and every row's result is the same."""
+        With ``static_capacity``, or while a CUDA graph is being captured, C is ``S`` (the bound no group
+        exceeds), so that no value is read back to the host; the padding rows are zeros and every row's result is
+        the same."""
         w1, w3, w2 = self._weights(weights)
         E, S = counts.numel(), x.shape[0]
-        capacity = S if x.is_cuda and torch.cuda.is_current_stream_capturing() else int(counts.max())
+        static = self.static_capacity or (x.is_cuda and torch.cuda.is_current_stream_capturing())
+        capacity = S if static else int(counts.max())
         starts = counts.cumsum(0) - counts                                          # [E]
         expert = torch.repeat_interleave(torch.arange(E, device=x.device), counts, output_size=S)  # [S]
         slot = torch.arange(S, device=x.device) - starts[expert]                    # [S] position in its group
