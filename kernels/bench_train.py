@@ -43,6 +43,11 @@ it) and the same batches
 ``k3lab.cli.flags_for`` makes of the same TrainConfig. The table's last lines give CLI ÷ fit for tokens/s
 and peak memory and the largest relative difference of their per-step losses.
 
+``@via=fake-rank[,ranks=2|4|8][,reshard=true|false]``: ``fit`` as rank 0 of a sharded run (FSDP alone, 8 ranks by
+default) in PyTorch's fake process group, every collective free, the rank holding the config's B × T tokens: the
+sharded step as ``fit`` runs it (masters, graphs and all), timed on one GPU, against the one-GPU ``@via=fit`` row
+of the same call. ``kernels/predict_scaling.py`` adds the communication model; this row is the rank's compute.
+
 Defaults: ``small-16x1024 small-8x4096 kda-anchor-8x4096 fla-kda-anchor-8x4096``.
 
 Every config trains in a fresh process (so no memory, compile cache or autotuning state carries over)
@@ -141,7 +146,8 @@ class Spec:
 TRAIN_SKIP = ("steps", "device", "log_every", "eval_every", "eval_batches", "checkpoint_every", "keep_checkpoints",
               "out_dir", "progress", "name")
 TRAIN_DEFAULTS = {"dtype": "bfloat16", "lr": 1e-3, "warmup_steps": 0}  # where the benchmark differs from TrainConfig
-BENCH_OPTIONS = {"via": ("fit", "cli")}  # per-config options that are not TrainConfig fields
+# per-config options that are not TrainConfig fields (ranks and reshard: via=fake-rank only)
+BENCH_OPTIONS = {"via": ("fit", "cli", "fake-rank"), "ranks": ("2", "4", "8"), "reshard": ("true", "false")}
 # fla's model: the k3lab-only settings, whatever the command line or the config says (its row shows them)
 FLA_SETTINGS = dict(param_dtype="float32", moment_dtype="float32", master_format="float32", compile="none",
                     recompute="none", recompute_layers=None, cuda_graph=False, fused_loss=False)
@@ -198,6 +204,9 @@ def parse_config(name: str, base: dict | None = None) -> Spec:
             raise ValueError(f"config {name!r}: option {item!r}: the keys are TrainConfig's fields "
                              f"({', '.join(train_flags())}) and {bench}")
         options.append((key, value))
+    keys = dict(options)
+    if keys.get("via") != "fake-rank" and ("ranks" in keys or "reshard" in keys):
+        raise ValueError(f"config {name!r}: options ranks= and reshard= need via=fake-rank")
     spec = Spec(name, m.group(1), int(m.group(2)), int(m.group(3)), tuple(options))
     train_config(spec, TRAIN_DEFAULTS if base is None else base)  # the values: TrainConfig's own check
     return spec
@@ -327,7 +336,9 @@ def run_config(spec: Spec, args) -> dict:
             if via is None:
                 history, peak = fit(model, batches, cfg).history, None
             else:
-                row["via"] = via
+                row["via"] = via if via != "fake-rank" else (
+                    f"fake rank of {spec.option('ranks', '8')}" + (", reshard=false" if spec.option("reshard", "true")
+                                                                   == "false" else ""))
                 del model
                 history, peak = run_via(via, spec, cfg, device)
         except TrainingDiverged as err:
@@ -365,6 +376,8 @@ def run_via(via: str, spec: Spec, train_cfg, device) -> tuple[list[dict], float 
     cfg = k3lab_config(spec.model)
     if via == "fit":
         return fit(lambda: K3ForCausalLM(cfg), batches_for("random", cfg, spec.B, spec.T, 0), train_cfg).history, None
+    if via == "fake-rank":
+        return fit_as_fake_rank(spec, cfg, train_cfg, device), None
     with tempfile.TemporaryDirectory(prefix="bench-cli-") as tmp:
         out = os.path.join(tmp, "metrics.json")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
@@ -378,6 +391,31 @@ def run_via(via: str, spec: Spec, train_cfg, device) -> tuple[list[dict], float 
         with open(out) as f:
             summary = json.load(f)
     return summary["history"], summary.get("peak_mem_gib")
+
+
+def fit_as_fake_rank(spec: Spec, cfg, train_cfg, device) -> list[dict]:
+    """``@via=fake-rank``: ``fit`` as rank 0 of ``ranks`` (default 8) in PyTorch's fake process group, FSDP alone
+    (``reshard=false``: ``ParallelOptions.reshard_after_forward=False``), on a global batch of ranks·B rows, so the
+    rank holds B × T tokens, as the one-GPU row does. Every collective is free (the fake group returns this rank's
+    data; ``kernels/predict_scaling.py``'s wrappers fill what an older torch leaves empty), so the row times the
+    rank's own step: what the graphed, sharded ``fit`` costs a GPU before communication. Its history, as ``fit``'s."""
+    from k3lab.model import K3ForCausalLM
+    from k3lab.parallel.parallelize import ParallelOptions
+    from k3lab.parallel.run import batches_for
+    from k3lab.train import fit
+
+    loader = importlib.util.spec_from_file_location("predict_scaling", os.path.join(HERE, "predict_scaling.py"))
+    ps = sys.modules.setdefault("predict_scaling", importlib.util.module_from_spec(loader))
+    loader.loader.exec_module(ps)
+    ranks = int(spec.option("ranks", "8"))
+    parallel = ParallelOptions(reshard_after_forward=spec.option("reshard", "true") == "true")
+    with ps.fake_process_group(ranks, 0, device) as fills:
+        counter = ps.CommCounter(fill={k: v for k, v in fills.items() if v}, fake=True).install()
+        try:
+            return fit(lambda: K3ForCausalLM(cfg), batches_for("random", cfg, ranks * spec.B, spec.T, 0), train_cfg,
+                       parallel=parallel).history
+        finally:
+            counter.uninstall()
 
 
 def via_comparison(rows: list[dict]) -> list[str]:

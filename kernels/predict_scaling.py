@@ -505,11 +505,12 @@ def fixed_size_exchange(x, send, recv, rows_out, group):
 def fake_process_group(world: int, rank: int, device: torch.device):
     """An initialised fake default group of ``world`` ranks in which this process is ``rank``; destroyed on
     exit. Yields the kinds whose outputs must be filled (:func:`_probe_fills`)."""
-    import torch.testing._internal.distributed.fake_pg as fake_pg  # registers the "fake" backend
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401 — registers the "fake" backend
 
     if dist.is_initialized():
         raise RuntimeError("fake_process_group: torch.distributed is already initialised")
-    dist.init_process_group("fake", store=fake_pg.FakeStore(), rank=rank, world_size=world)
+    # an in-memory store that implements every call (fit's heartbeat uses it; the FakeStore does not)
+    dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=world)
     try:
         yield _probe_fills(device)
     finally:

@@ -139,6 +139,23 @@ def test_run_config_bf16_params_and_fused_loss_through_train_config():
     assert "| bfloat16 (fp32 master) |" in bench.markdown_table([row])
 
 
+def test_fit_as_a_fake_rank():
+    """@via=fake-rank: fit as rank 0 of a fake group of 2 (FSDP alone, the predictor's fills), the rank holding B × T
+    tokens of a 2·B-row global batch: it trains (the fake all-reduce does not sum, so the logged loss is the rank's
+    share, about ln V / 2 at the start), and ranks= / reshard= without it are refused by name."""
+    bench = load_bench()
+    args = bench.build_parser().parse_args(["--device", "cpu", "--dtype", "float32", "--steps", "2", "--warmup", "1"])
+    row = bench.run_config(bench.parse_config("tiny-2x32@via=fake-rank,ranks=2,reshard=false"), args)
+    assert row["status"] == "ok", row["status"]
+    assert row["via"] == "fake rank of 2, reshard=false" and row["tokens_per_step"] == 64 and row["steps_timed"] == 2
+    assert 0.4 * math.log(4096) < row["loss_first"] < 0.6 * math.log(4096) and math.isfinite(row["loss"])
+    for bad in ("tiny-2x32@ranks=2", "tiny-2x32@via=fit,reshard=false"):
+        with pytest.raises(ValueError, match="options ranks= and reshard= need via=fake-rank"):
+            bench.parse_config(bad)
+    with pytest.raises(ValueError, match=r"option 'ranks=3': allowed values are 2\|4\|8"):
+        bench.parse_config("tiny-2x32@via=fake-rank,ranks=3")
+
+
 def test_anchor_config_is_pure_kda_dense():
     cfg = load_bench().k3lab_config("kda-anchor")
     assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.kda_heads, cfg.kda_head_dim, cfg.vocab_size) == \
