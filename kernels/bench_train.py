@@ -419,18 +419,24 @@ def fit_as_fake_rank(spec: Spec, cfg, train_cfg, device) -> list[dict]:
 
 
 def via_comparison(rows: list[dict]) -> list[str]:
-    """For each config run both ``@via=fit`` and ``@via=cli``: the CLI ÷ fit lines under the table."""
+    """For each config run ``@via=fit`` and ``@via=cli`` or ``@via=fake-rank``: the lines under the table, CLI ÷ fit
+    and fake rank ÷ fit (tokens/s per GPU)."""
     lines = []
     for fit_row in (r for r in rows if r.get("via") == "fit" and "tokens_per_s" in r):
         base = fit_row["config"].split("@")[0]
         cli_row = next((r for r in rows if r.get("via") == "cli" and r["config"].split("@")[0] == base
                         and "tokens_per_s" in r), None)
-        if cli_row is None:
-            continue
-        diff = max(abs(a - b) / abs(b) for a, b in zip(cli_row["losses"], fit_row["losses"]))
-        lines.append(f"{base}: CLI (torchrun ×1) ÷ fit: tokens/s {cli_row['tokens_per_s'] / fit_row['tokens_per_s']:.3f}×, "
-                     f"peak memory {cli_row['peak_mem_gib'] / fit_row['peak_mem_gib']:.3f}×; per-step losses "
-                     f"({len(fit_row['losses'])} steps) differ by at most {diff:.2e} (relative)")
+        if cli_row is not None:
+            diff = max(abs(a - b) / abs(b) for a, b in zip(cli_row["losses"], fit_row["losses"]))
+            lines.append(f"{base}: CLI (torchrun ×1) ÷ fit: tokens/s "
+                         f"{cli_row['tokens_per_s'] / fit_row['tokens_per_s']:.3f}×, peak memory "
+                         f"{cli_row['peak_mem_gib'] / fit_row['peak_mem_gib']:.3f}×; per-step losses "
+                         f"({len(fit_row['losses'])} steps) differ by at most {diff:.2e} (relative)")
+        for rank_row in (r for r in rows if str(r.get("via", "")).startswith("fake rank") and "tokens_per_s" in r
+                         and r["config"].split("@")[0] == base):
+            lines.append(f"{base}: fit as a {rank_row['via']} ÷ fit on one GPU: tokens/s per GPU "
+                         f"{rank_row['tokens_per_s'] / fit_row['tokens_per_s']:.3f}× (the rank's compute; its "
+                         "collectives are free in the fake group: kernels/predict_scaling.py adds them)")
     return lines
 
 

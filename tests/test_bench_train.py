@@ -149,6 +149,11 @@ def test_fit_as_a_fake_rank():
     assert row["status"] == "ok", row["status"]
     assert row["via"] == "fake rank of 2, reshard=false" and row["tokens_per_step"] == 64 and row["steps_timed"] == 2
     assert 0.4 * math.log(4096) < row["loss_first"] < 0.6 * math.log(4096) and math.isfinite(row["loss"])
+    one = dict(config="tiny-2x32@via=fit", via="fit", tokens_per_s=200.0, losses=[8.3], peak_mem_gib=1.0)
+    assert bench.via_comparison([one, row]) == [
+        f"tiny-2x32: fit as a fake rank of 2, reshard=false ÷ fit on one GPU: tokens/s per GPU "
+        f"{row['tokens_per_s'] / 200:.3f}× (the rank's compute; its collectives are free in the fake group: "
+        "kernels/predict_scaling.py adds them)"]
     for bad in ("tiny-2x32@ranks=2", "tiny-2x32@via=fit,reshard=false"):
         with pytest.raises(ValueError, match="options ranks= and reshard= need via=fake-rank"):
             bench.parse_config(bad)
