@@ -69,8 +69,8 @@ def run_interpreter_suite(path: str, *extra_args: str, timeout: float = 600.0) -
 
 
 def load_script(path, name: str):
-    """Import the script at ``path`` (a ``kernels/`` benchmark, a ``tools/`` check) as module ``name``, so tests can
-    call its functions; registered in ``sys.modules`` (dataclasses look their module up there)."""
+    """Import the script at ``path`` (a ``kernels/`` benchmark, a ``tools/`` check) as module ``name``, so tests (or
+    another script) can call its functions; registered in ``sys.modules`` (dataclasses look their module up there)."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(name, path)

@@ -404,9 +404,9 @@ def fit_as_fake_rank(spec: Spec, cfg, train_cfg, device) -> list[dict]:
     from k3lab.parallel.run import batches_for
     from k3lab.train import fit
 
-    loader = importlib.util.spec_from_file_location("predict_scaling", os.path.join(HERE, "predict_scaling.py"))
-    ps = sys.modules.setdefault("predict_scaling", importlib.util.module_from_spec(loader))
-    loader.loader.exec_module(ps)
+    from k3lab.testing import load_script
+
+    ps = sys.modules.get("predict_scaling") or load_script(os.path.join(HERE, "predict_scaling.py"), "predict_scaling")
     ranks = int(spec.option("ranks", "8"))
     parallel = ParallelOptions(reshard_after_forward=spec.option("reshard", "true") == "true")
     with ps.fake_process_group(ranks, 0, device) as fills:
