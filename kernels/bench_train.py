@@ -409,13 +409,9 @@ def fit_as_fake_rank(spec: Spec, cfg, train_cfg, device) -> list[dict]:
     ps = sys.modules.get("predict_scaling") or load_script(os.path.join(HERE, "predict_scaling.py"), "predict_scaling")
     ranks = int(spec.option("ranks", "8"))
     parallel = ParallelOptions(reshard_after_forward=spec.option("reshard", "true") == "true")
-    with ps.fake_process_group(ranks, 0, device) as fills:
-        counter = ps.CommCounter(fill={k: v for k, v in fills.items() if v}, fake=True).install()
-        try:
-            return fit(lambda: K3ForCausalLM(cfg), batches_for("random", cfg, ranks * spec.B, spec.T, 0), train_cfg,
-                       parallel=parallel).history
-        finally:
-            counter.uninstall()
+    with ps.fake_rank(ranks, 0, device):
+        return fit(lambda: K3ForCausalLM(cfg), batches_for("random", cfg, ranks * spec.B, spec.T, 0), train_cfg,
+                   parallel=parallel).history
 
 
 def via_comparison(rows: list[dict]) -> list[str]:

@@ -227,8 +227,11 @@ _PY_FUNCS = {
     "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_single": "reduce_scatter",
     "_reduce_scatter_base": "reduce_scatter", "reduce_scatter": "reduce_scatter",
     "all_reduce": "all_reduce", "all_to_all_single": "all_to_all", "all_to_all": "all_to_all",
-    "broadcast": "broadcast",
+    "broadcast": "broadcast", "scatter": "scatter",
 }
+# imported by name into modules of torch.distributed (DTensor's distribute_tensor scatters through its own binding):
+# wrapped there too
+_BOUND_BY_NAME = ("scatter",)
 _tls = threading.local()
 _ACTIVE: "CommCounter | None" = None
 
@@ -269,6 +272,9 @@ def _fill(kind: str, out, inp, n: int, r: int) -> None:
             k = min(out.numel(), inp.numel())
             out.view(-1)[:k].copy_(inp.reshape(-1)[:k])
             out.view(-1)[k:].zero_()
+    elif kind == "scatter":  # the source rank's own chunk (another rank has none to copy)
+        if inp is not None:
+            out.copy_(inp[r])
     elif kind == "all_gather":
         if isinstance(out, (list, tuple)):
             for o in out:
@@ -330,6 +336,13 @@ class CommCounter:
                     continue
                 self._saved.append((module, name, orig))
                 setattr(module, name, _wrap(name, orig))
+        for name in _BOUND_BY_NAME:
+            wrapped = getattr(c10d, name)
+            orig = wrapped.__k3lab_wrapped__
+            for module in [m for k, m in list(sys.modules.items()) if k.startswith("torch.distributed.") and m]:
+                if module is not c10d and getattr(module, name, None) is orig:
+                    self._saved.append((module, name, orig))
+                    setattr(module, name, wrapped)
         _ACTIVE = self
         return self
 
@@ -376,7 +389,7 @@ class CommCounter:
     def on_call(self, kind: str, a: dict) -> None:
         group = a.get("group")
         n = dist.get_world_size(group)
-        out, inp = _args_of(a)
+        out, inp = (a.get("tensor"), a.get("scatter_list")) if kind == "scatter" else _args_of(a)
         if self.fill.get(kind):
             _fill(kind, out, inp, n, dist.get_rank(group))
         if not self.counting:
@@ -464,8 +477,11 @@ def _probe_fills(device: torch.device) -> dict:
     dist.reduce_scatter_tensor(rs, torch.ones(2 * n, device=device))
     a2a = torch.full((n,), nan, device=device)
     dist.all_to_all_single(a2a, torch.ones(n, device=device))
+    sc = torch.full((1,), nan, device=device)
+    rank = dist.get_rank()
+    dist.scatter(sc, [torch.ones(1, device=device)] * n if rank == 0 else None, src=0)
     return {"all_gather": bool(ag.isnan().any()), "reduce_scatter": bool(rs.isnan().any()),
-            "all_to_all": bool(a2a.isnan().any())}
+            "all_to_all": bool(a2a.isnan().any()), "scatter": rank == 0 and bool(sc.isnan().any())}
 
 
 class _FixedSizeExchange(torch.autograd.Function):
@@ -515,6 +531,20 @@ def fake_process_group(world: int, rank: int, device: torch.device):
         yield _probe_fills(device)
     finally:
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def fake_rank(world: int, rank: int, device: torch.device):
+    """This process as ``rank`` of a ``world``-rank fake group whose collectives return plausible data: the fake group
+    (:func:`fake_process_group`) and a :class:`CommCounter` that fills what this torch's fake group leaves untouched
+    (torch 2.11 leaves a scatter's output empty, so ``distribute_tensor`` from rank 0 gave ``fit``'s shards no
+    weights). Yields the counter (installed; ``counting`` off)."""
+    with fake_process_group(world, rank, device) as fills:
+        counter = CommCounter(fill={k: v for k, v in fills.items() if v}, fake=True).install()
+        try:
+            yield counter
+        finally:
+            counter.uninstall()
 
 
 # ==============================================================================================

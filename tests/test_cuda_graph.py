@@ -5,6 +5,7 @@ the balancer's bias), with compiled sublayers, bf16 weights and the fused master
 configurations it cannot run are refused, naming the field.
 """
 import dataclasses
+from pathlib import Path
 import math
 
 import pytest
@@ -15,6 +16,8 @@ from k3lab.cuda_graph import GraphedForwardBackward, GraphedOptimizerStep
 from k3lab.model import K3ForCausalLM
 from k3lab.testing import assert_close
 from k3lab.train import TrainConfig, fit
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def batches(vocab, B=2, T=64, device="cpu"):
@@ -114,30 +117,32 @@ def test_capture_collects_an_earlier_runs_cycles():
         gc.enable()
 
 
+def _fake_batch(cfg, step):
+    """The harness's batch of ``step``: 4 × 64, a few labels ignored, more in some steps (the global label counts
+    change between batches)."""
+    gen = torch.Generator().manual_seed(step % 4)
+    x = torch.randint(0, cfg.vocab_size, (4, 64), generator=gen)
+    y = torch.roll(x, -1, 1)
+    y[: step % 3, :7] = -100
+    return x, y
+
+
 def _fake_group_fit(cfg, train_cfgs):
     """``fit`` at world size 2 as rank 0 of PyTorch's fake process group (one process, no second GPU: its
-    collectives return this rank's own data), FSDP alone, once per TrainConfig; the losses of each run."""
-    import torch.distributed as dist
-    import torch.testing._internal.distributed.fake_pg  # noqa: F401 — registers the "fake" backend
-
+    collectives return this rank's own data; ``kernels/predict_scaling.py``'s ``fake_rank`` fills what an older
+    torch's fake group leaves empty, such as the scatter that gives the shards their weights), FSDP alone, once per
+    TrainConfig; the losses of each run."""
     from k3lab.parallel.parallelize import ParallelOptions
+    from k3lab.testing import load_script
 
-    def batch(step):  # a few labels ignored, more in some steps: the global label counts change between batches
-        gen = torch.Generator().manual_seed(step % 4)
-        x = torch.randint(0, cfg.vocab_size, (4, 64), generator=gen)
-        y = torch.roll(x, -1, 1)
-        y[: step % 3, :7] = -100
-        return x, y
-
-    dist.init_process_group("fake", rank=0, world_size=2, store=dist.HashStore())
-    try:
+    ps = load_script(ROOT / "kernels" / "predict_scaling.py", "predict_scaling")
+    with ps.fake_rank(2, 0, torch.device(train_cfgs[0].device)):
         out = []
         for train_cfg in train_cfgs:
             torch.manual_seed(0)
-            out.append(fit(lambda: K3ForCausalLM(cfg), batch, train_cfg, parallel=ParallelOptions(timeout=300)).losses)
+            out.append(fit(lambda: K3ForCausalLM(cfg), lambda step: _fake_batch(cfg, step), train_cfg,
+                           parallel=ParallelOptions(timeout=300)).losses)
         return out
-    finally:
-        dist.destroy_process_group()
 
 
 def test_a_shards_label_counts_may_be_device_tensors():
@@ -188,12 +193,29 @@ def test_static_capacity_compiles_the_padded_experts_without_a_break():
 
 def test_fake_group_harness_runs_fit_as_a_sharded_rank():
     """The harness of the GPU test below, on the CPU: fit runs as rank 0 of a 2-rank fake group (FSDP2 wraps the
-    model, the heartbeat and the collectives run) and is deterministic run to run; the fake all-reduce does not sum,
-    so the rank reports its half of the global loss (about half of ln V at the start)."""
+    model, the heartbeat and the collectives run) and is deterministic run to run. Its first loss is that of the
+    weights the fake group gives it: rank 0's shards hold the one-process weights (materialized from rank 0), every
+    all-gather returns this rank's shard in both slots, and the all-reduce does not sum, so the rank reports the
+    loss of its rows over the global label counts, computed with each parameter's first half repeated. (On torch
+    2.11's fake group, which leaves a scatter's output empty, the shards were zeros: the rank reported exactly
+    ln V / 2 whatever its rows.)"""
+    from k3lab.model import LossShard
+    from k3lab.parallel.parallelize import global_label_counts
+
     cfg = ModelConfig.preset("tiny")
-    a, b = _fake_group_fit(cfg, [TrainConfig(steps=3, lr=1e-2, device="cpu", progress=False)] * 2)
+    train_cfg = TrainConfig(steps=3, lr=1e-2, device="cpu", progress=False)
+    a, b = _fake_group_fit(cfg, [train_cfg] * 2)
     assert a == b and len(a) == 3
-    assert 0.4 * math.log(cfg.vocab_size) < a[0] < 0.6 * math.log(cfg.vocab_size)
+    torch.manual_seed(train_cfg.seed)  # fit draws the one-process initial weights from its seed
+    model = K3ForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():  # what the fake all-gather of FSDP2's dim-0 shards gives rank 0
+            rows, half = p.shape[0], math.ceil(p.shape[0] / 2)
+            p.copy_(torch.cat([p[:half], p[:half]])[:rows])
+        x, y = _fake_batch(cfg, 0)
+        share = model(x[:2], labels=y[:2], shard=LossShard(*global_label_counts(y), 2)).loss  # rank 0: rows 0, 1
+    assert a[0] == pytest.approx(float(share), rel=1e-6)
+    assert abs(a[0] - 0.5 * math.log(cfg.vocab_size)) > 1e-3  # not the loss of zero weights
 
 
 @pytest.mark.gpu
