@@ -82,8 +82,9 @@ MEASURED = {
     # 15-21 s; palindrome 3-11 s; stack 10-36 s (an earlier call whose runs file did not come back: 22 runs in 372 s).
     # Two more H100 calls on 2026-12-07 retrained MQAR on the 16-128 pair mix (KDA 21-65 s, Gated DeltaNet 20-28 s,
     # Mamba2 16-23 s, linear attention 15-22 s) and one palindrome run: 20 runs in 550 s; a third call that day the
-    # rest of seed 2's MQAR and 11 palindrome and stack runs, 16 runs in 330 s; 90 runs logged in all
-    "16": dict(steps=1000, shared=False, first=39.4, per_run=18.5, gpu="H100",
+    # rest of seed 2's MQAR and 11 palindrome and stack runs, 16 runs in 330 s; a fourth the last 3 stack runs
+    # (Mamba2 16 s, linear attention 10 and 14 s), 64 s; 93 runs logged in all
+    "16": dict(steps=1000, shared=False, first=39.4, per_run=18.3, gpu="H100",
                runs_file="16_mixers_hard_regime.runs.jsonl"),
 }
 
