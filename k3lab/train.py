@@ -544,14 +544,16 @@ def _resume(run: _Run, resume_from, cfg: TrainConfig, optimizer, masters, batch_
 # ----------------------------------------------------------------------------------------------
 # the loop
 # ----------------------------------------------------------------------------------------------
-def resolve_profile(cfg: TrainConfig, device_type: str, world_size: int = 1) -> tuple[TrainConfig, list[str]]:
+def resolve_profile(cfg: TrainConfig, device_type: str, world_size: int = 1, ep: int = 1,
+                    cp: int = 1) -> tuple[TrainConfig, list[str]]:
     """``cfg`` with its profile applied, and the ``field=value`` settings the profile made.
 
     ``"fast"`` on CUDA fills every field of :data:`FAST_CUDA` that ``cfg`` leaves at its default (a field set to
     another value keeps it; to pin one at its default, use ``"reference"`` and set the others), except what this
     run cannot take: bf16 moments, split masters and (with bf16 weights) CUDA graphs need AdamW's fused step;
-    ``cuda_graph`` is chosen at world size 1 only (a sharded run takes it when asked, with FSDP alone: not yet
-    measured through ``fit`` on real ranks). On a CPU, or with ``"reference"``, ``cfg`` is returned unchanged."""
+    ``cuda_graph`` is chosen at any world size with FSDP alone, not with expert or context parallelism above 1
+    (``ep``, ``cp``: their degrees; :data:`_NOT_EP_CP`). On a CPU, or with ``"reference"``, ``cfg`` is returned
+    unchanged."""
     if cfg.profile == "reference" or device_type != "cuda":
         return cfg, []
     defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
@@ -559,9 +561,10 @@ def resolve_profile(cfg: TrainConfig, device_type: str, world_size: int = 1) -> 
     if cfg.optimizer != "adamw":  # these need AdamW's fused master step (CUDA graphs with bf16 weights too)
         for name in ("moment_dtype", "master_format", "cuda_graph"):
             want.pop(name)
-    if world_size > 1:
-        want.pop("cuda_graph")
-    chosen = {k: v for k, v in want.items() if getattr(cfg, k) == defaults[k]}
+    if world_size > 1 and (ep > 1 or cp > 1):
+        for name, runs, _ in _NOT_EP_CP:
+            want[name] = runs
+    chosen = {k: v for k, v in want.items() if getattr(cfg, k) == defaults[k] and v != defaults[k]}
     return dataclasses.replace(cfg, **chosen), [f"{k}={v!r}" for k, v in chosen.items()]
 
 
@@ -607,7 +610,8 @@ def fit(model, train_batches, cfg: TrainConfig, val_batches=None, resume_from: s
     if cfg.profile != "reference":
         world = torch.distributed.get_world_size() if parallel is not None and torch.distributed.is_initialized() else 1
         device_type = resolve_device(cfg.device).type
-        cfg, chosen = resolve_profile(cfg, device_type, world)
+        ep, cp = (parallel.ep, parallel.cp) if world > 1 else (1, 1)
+        cfg, chosen = resolve_profile(cfg, device_type, world, ep, cp)
         if world == 1 or torch.distributed.get_rank() == 0:
             print(f"profile {cfg.profile}: " + (", ".join(chosen) if chosen else
                   f"nothing changed (on {device_type} the reference settings are the fastest measured)"

@@ -25,8 +25,12 @@ def test_only_fields_left_at_their_defaults_are_filled_and_impossible_settings_a
     assert (muon.moment_dtype, muon.master_format, muon.param_dtype, muon.cuda_graph) == \
         ("float32", "float32", "bfloat16", False)
     assert not any(c.startswith(("moment_dtype", "master_format")) for c in chosen)
-    sharded, _ = resolve_profile(TrainConfig(profile="fast"), "cuda", world_size=8)  # graphs: world size 1 only
-    assert sharded.cuda_graph is False and sharded.compile == "sublayer"
+    sharded, chosen = resolve_profile(TrainConfig(profile="fast"), "cuda", world_size=8)  # FSDP alone: captured
+    assert sharded.cuda_graph is True and "cuda_graph=True" in chosen
+    for ep, cp in ((8, 1), (1, 2), (4, 2)):  # MoonEP and CP are not captured: the profile leaves graphs off
+        split, chosen = resolve_profile(TrainConfig(profile="fast"), "cuda", 8, ep, cp)
+        assert split.cuda_graph is False and split.compile == "sublayer" and not any("cuda_graph" in c for c in chosen)
+        TrainConfig(**{f.name: getattr(split, f.name) for f in dataclasses.fields(TrainConfig)})  # a valid config
 
 
 @pytest.mark.parametrize("device", ["cpu"])
