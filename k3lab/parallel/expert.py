@@ -79,6 +79,7 @@ import torch
 from torch import Tensor, nn
 
 from k3lab.moe.latent import DispatchPlan, LatentMoE, LocalDispatcher, RoutedExperts
+from k3lab.moe.router import expert_load
 from k3lab.parallel.collectives import ProcessGroup, all_gather, all_to_all, group_rank, group_size
 from k3lab.parallel.dims import EP_KINDS
 
@@ -312,7 +313,7 @@ class ExpertParallelDispatcher:
         S, K = topk_idx.shape
         dev = z.device
         flat = topk_idx.reshape(-1)                                                       # [S·K]
-        counts = torch.zeros(E, dtype=torch.int64, device=dev).index_add_(0, flat, torch.ones_like(flat))  # [E]
+        counts = expert_load(flat, E)                                                     # [E]
         tpe = all_gather(counts[None], self.group)                                        # [R, E]
         tpe_host, ready = _to_host(tpe)
         order = flat.argsort(stable=True)                                                 # [S·K] slots by expert

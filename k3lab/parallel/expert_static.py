@@ -40,6 +40,7 @@ import torch
 from torch import Tensor, nn
 
 from k3lab.moe.latent import DispatchPlan, DispatchRows, LatentMoE, LocalDispatcher, RoutedExperts, inverse_permutation
+from k3lab.moe.router import expert_load
 from k3lab.parallel.collectives import ProcessGroup, all_gather, all_to_all, group_rank, group_size
 from k3lab.parallel.expert import check_divisible, check_home_slice
 
@@ -132,7 +133,7 @@ class StaticMoonEPDispatcher:
         M, dev = S * K, z.device
         ar = torch.arange(M, device=dev)                                                  # [M]
         flat = topk_idx.reshape(-1)                                                       # [M]
-        counts = torch.zeros(E, dtype=torch.int64, device=dev).index_add_(0, flat, torch.ones_like(flat))  # [E]
+        counts = expert_load(flat, E)                                                     # [E]
         tpe = self._gather(counts[None])                                                  # [R, E]
         alloc, _, _ = plan_moonep_torch(tpe)                                              # [E, R]
         n = route_counts_torch(tpe, alloc)                                                # [R(s), E, R(d)]
@@ -160,7 +161,7 @@ class StaticMoonEPDispatcher:
                            El + rep_rank.index_select(0, e_recv))                         # [M] in [0, 2·El)
         perm = bank.argsort(stable=True)                                                  # [M] bank-major
         perm_inv = inverse_permutation(perm)                                              # [M]
-        bank_counts = torch.zeros(2 * El, dtype=torch.int64, device=dev).index_add_(0, bank, torch.ones_like(bank))
+        bank_counts = expert_load(bank, 2 * El)                                           # [2·El] rows a group
 
         weights = self._replicas(experts, rep)                                            # [2·El, …] ×3
         y = experts(self._rows(x_recv, perm, perm_inv, 1), bank_counts, weights)          # [M, L] by bank
