@@ -404,6 +404,7 @@ def _setup(model, cfg: TrainConfig, parallel, first_batch_shape) -> _Run:
     # FSDP2 mixed precision: bf16 compute from fp32 shards (the masters), or bf16 shards (masters on them: fit)
     bf16_compute = torch.bfloat16 if distributed and cfg.param_dtype == "bfloat16" and not on_shards else None
     net, experts = parallelize(net, groups, device, ep_kind=getattr(parallel, "ep_kind", "moonep"),
+                               ep_plan=getattr(parallel, "ep_plan", "host"),
                                cp_layout=getattr(parallel, "cp_layout", "contiguous"), recompute=cfg.recompute,
                                recompute_layers=cfg.recompute_layers, compile=cfg.compile, param_dtype=bf16_compute,
                                reduce_dtype=torch.float32 if on_shards else None,
@@ -883,7 +884,8 @@ def _all_reduce_sum(values: dict, group, device) -> dict:
 
 
 def _run_info(run: _Run) -> dict:
-    """What the layout was and what the experts saw: world size, dims, per-MoE-layer loads and EP slots."""
+    """What the layout was and what the experts saw: world size, dims, the MoE dispatchers that ran, per-MoE-layer
+    loads and EP slots."""
     import dataclasses
 
     from k3lab.moe.latent import LatentMoE
@@ -892,6 +894,7 @@ def _run_info(run: _Run) -> dict:
     slots = [getattr(m.dispatcher, "last_slots_per_rank", None) for m in moes if hasattr(m, "dispatcher")]
     peak = torch.cuda.max_memory_allocated(run.device) / 2**30 if run.device.type == "cuda" else None
     return dict(world_size=run.dims.world_size, dims=dataclasses.asdict(run.dims), device=str(run.device),
-                ep_kind=getattr(run.parallel, "ep_kind", None), peak_mem_gib=peak,
+                ep_kind=getattr(run.parallel, "ep_kind", None), ep_plan=getattr(run.parallel, "ep_plan", None),
+                dispatchers=sorted({type(m.dispatcher).__name__ for m in moes}), peak_mem_gib=peak,
                 expert_loads=[m.balancer.metrics()["load"].tolist() for m in moes],
                 slots_per_rank=[[int(v) for v in s.tolist()] for s in slots if s is not None])

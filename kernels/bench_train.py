@@ -43,7 +43,8 @@ it) and the same batches
 ``k3lab.cli.flags_for`` makes of the same TrainConfig. The table's last lines give CLI ÷ fit for tokens/s
 and peak memory and the largest relative difference of their per-step losses.
 
-``@via=fake-rank[,ranks=2|4|8][,reshard=true|false]``: ``fit`` as rank 0 of a sharded run (FSDP alone, 8 ranks by
+``@via=fake-rank[,ranks=2|4|8][,reshard=true|false][,ep=2|4|8[,ep_plan=host|device]]``: ``fit`` as rank 0 of a
+sharded run (FSDP alone, or with MoonEP over ``ep`` of the ranks; 8 ranks by
 default) in PyTorch's fake process group, every collective free, the rank holding the config's B × T tokens: the
 sharded step as ``fit`` runs it (masters, graphs and all), timed on one GPU, against the one-GPU ``@via=fit`` row
 of the same call. ``kernels/predict_scaling.py`` adds the communication model; this row is the rank's compute.
@@ -111,6 +112,7 @@ if ROOT not in sys.path:  # run as a script from anywhere: the repo's k3lab firs
 
 from k3lab.cli import add_dataclass_flags, field_value, flag_errors, flags_for  # noqa: E402
 from k3lab.config import DEVICES, DTYPES  # noqa: E402
+from k3lab.parallel.dims import EP_PLANS  # noqa: E402
 from k3lab.train import TrainConfig  # noqa: E402
 
 MODELS = ("small", "kda-anchor", "fla-kda-anchor", "tiny")
@@ -146,8 +148,10 @@ class Spec:
 TRAIN_SKIP = ("steps", "device", "log_every", "eval_every", "eval_batches", "checkpoint_every", "keep_checkpoints",
               "out_dir", "progress", "name")
 TRAIN_DEFAULTS = {"dtype": "bfloat16", "lr": 1e-3, "warmup_steps": 0}  # where the benchmark differs from TrainConfig
-# per-config options that are not TrainConfig fields (ranks and reshard: via=fake-rank only)
-BENCH_OPTIONS = {"via": ("fit", "cli", "fake-rank"), "ranks": ("2", "4", "8"), "reshard": ("true", "false")}
+# per-config options that are not TrainConfig fields (ranks, reshard, ep, ep_plan: via=fake-rank only)
+BENCH_OPTIONS = {"via": ("fit", "cli", "fake-rank"), "ranks": ("2", "4", "8"), "reshard": ("true", "false"),
+                 "ep": ("1", "2", "4", "8"), "ep_plan": EP_PLANS}
+RANK_OPTIONS = ("ranks", "reshard", "ep", "ep_plan")
 # fla's model: the k3lab-only settings, whatever the command line or the config says (its row shows them)
 FLA_SETTINGS = dict(param_dtype="float32", moment_dtype="float32", master_format="float32", compile="none",
                     recompute="none", recompute_layers=None, cuda_graph=False, fused_loss=False)
@@ -205,8 +209,8 @@ def parse_config(name: str, base: dict | None = None) -> Spec:
                              f"({', '.join(train_flags())}) and {bench}")
         options.append((key, value))
     keys = dict(options)
-    if keys.get("via") != "fake-rank" and ("ranks" in keys or "reshard" in keys):
-        raise ValueError(f"config {name!r}: options ranks= and reshard= need via=fake-rank")
+    if keys.get("via") != "fake-rank" and any(k in keys for k in RANK_OPTIONS):
+        raise ValueError(f"config {name!r}: options {'=, '.join(RANK_OPTIONS)}= need via=fake-rank")
     spec = Spec(name, m.group(1), int(m.group(2)), int(m.group(3)), tuple(options))
     train_config(spec, TRAIN_DEFAULTS if base is None else base)  # the values: TrainConfig's own check
     return spec
@@ -338,7 +342,9 @@ def run_config(spec: Spec, args) -> dict:
             else:
                 row["via"] = via if via != "fake-rank" else (
                     f"fake rank of {spec.option('ranks', '8')}" + (", reshard=false" if spec.option("reshard", "true")
-                                                                   == "false" else ""))
+                                                                   == "false" else "")
+                    + (f", EP = {spec.option('ep', '1')}, {spec.option('ep_plan', 'host')}-planned MoonEP"
+                       if spec.option("ep", "1") != "1" else ""))
                 del model
                 history, peak = run_via(via, spec, cfg, device)
         except TrainingDiverged as err:
@@ -394,8 +400,10 @@ def run_via(via: str, spec: Spec, train_cfg, device) -> tuple[list[dict], float 
 
 
 def fit_as_fake_rank(spec: Spec, cfg, train_cfg, device) -> list[dict]:
-    """``@via=fake-rank``: ``fit`` as rank 0 of ``ranks`` (default 8) in PyTorch's fake process group, FSDP alone
-    (``reshard=false``: ``ParallelOptions.reshard_after_forward=False``), on a global batch of ranks·B rows, so the
+    """``@via=fake-rank``: ``fit`` as rank 0 of ``ranks`` (default 8) in PyTorch's fake process group, FSDP alone or
+    with ``ep=N`` (MoonEP over N of the ranks, ``ep_plan=host|device``: ``ParallelOptions.ep_plan``; every rank
+    routes like this one, so the plan's split sizes agree) (``reshard=false``:
+    ``ParallelOptions.reshard_after_forward=False``), on a global batch of ranks·B rows, so the
     rank holds B × T tokens, as the one-GPU row does. Every collective is free (the fake group returns this rank's
     data; ``kernels/predict_scaling.py``'s wrappers fill what an older torch leaves empty), so the row times the
     rank's own step: what the graphed, sharded ``fit`` costs a GPU before communication. Its history, as ``fit``'s."""
@@ -408,7 +416,8 @@ def fit_as_fake_rank(spec: Spec, cfg, train_cfg, device) -> list[dict]:
 
     ps = sys.modules.get("predict_scaling") or load_script(os.path.join(HERE, "predict_scaling.py"), "predict_scaling")
     ranks = int(spec.option("ranks", "8"))
-    parallel = ParallelOptions(reshard_after_forward=spec.option("reshard", "true") == "true")
+    parallel = ParallelOptions(reshard_after_forward=spec.option("reshard", "true") == "true",
+                               ep=int(spec.option("ep", "1")), ep_plan=spec.option("ep_plan", "host"))
     with ps.fake_rank(ranks, 0, device):
         return fit(lambda: K3ForCausalLM(cfg), batches_for("random", cfg, ranks * spec.B, spec.T, 0), train_cfg,
                    parallel=parallel).history

@@ -154,11 +154,26 @@ def test_fit_as_a_fake_rank():
         f"tiny-2x32: fit as a fake rank of 2, reshard=false ÷ fit on one GPU: tokens/s per GPU "
         f"{row['tokens_per_s'] / 200:.3f}× (the rank's compute; its collectives are free in the fake group: "
         "kernels/predict_scaling.py adds them)"]
-    for bad in ("tiny-2x32@ranks=2", "tiny-2x32@via=fit,reshard=false"):
-        with pytest.raises(ValueError, match="options ranks= and reshard= need via=fake-rank"):
+    for bad in ("tiny-2x32@ranks=2", "tiny-2x32@via=fit,reshard=false", "tiny-2x32@ep=2"):
+        with pytest.raises(ValueError, match="options ranks=, reshard=, ep=, ep_plan= need via=fake-rank"):
             bench.parse_config(bad)
     with pytest.raises(ValueError, match=r"option 'ranks=3': allowed values are 2\|4\|8"):
         bench.parse_config("tiny-2x32@via=fake-rank,ranks=3")
+
+
+def test_fit_as_a_fake_expert_parallel_rank_with_either_plan():
+    """@via=fake-rank,ep=2: fit's MoonEP rank (every rank routes like this one), planned on the host or on the device
+    (``ParallelOptions.ep_plan``): the same plan over the same weights and batches, so the same losses (fp32, float
+    rounding of a different row order), and the row names the plan."""
+    bench = load_bench()
+    args = bench.build_parser().parse_args(["--device", "cpu", "--dtype", "float32", "--steps", "2", "--warmup", "1"])
+    rows = [bench.run_config(bench.parse_config(f"tiny-2x32@via=fake-rank,ranks=2,ep=2,ep_plan={plan}"), args)
+            for plan in ("host", "device")]
+    for row, plan in zip(rows, ("host", "device")):
+        assert row["status"] == "ok", row["status"]
+        assert row["via"] == f"fake rank of 2, EP = 2, {plan}-planned MoonEP"
+    host, device = (r["losses"] for r in rows)
+    assert len(host) == 4 and all(abs(a - b) <= 1e-5 * abs(a) for a, b in zip(host, device)), (host, device)
 
 
 def test_anchor_config_is_pure_kda_dense():

@@ -18,6 +18,7 @@ from k3lab.data import batch_iterator
 from k3lab.model import K3ForCausalLM
 from k3lab.moe.latent import LatentMoE
 from k3lab.parallel.collectives import all_gather, all_reduce_sum
+from k3lab.parallel.dims import EP_PLANS
 from k3lab.parallel.expert import EP_KINDS, apply_expert_parallel, plan_moonep, tokens_per_expert
 from k3lab.parallel.expert_static import apply_static_moonep, plan_moonep_torch
 from k3lab.parallel.parallelize import ParallelOptions
@@ -140,7 +141,7 @@ def dispatch_and_train(rank: int, world: int) -> dict:
     in the same processes: one start-up of W ranks serves both tests."""
     out = {"dispatch": dispatch_vs_one_process(rank, world)}
     if world in TRAIN_WORLDS:
-        out["train"] = _train_worker(rank, world, world)
+        out["train"] = {plan: _train_worker(rank, world, world, plan) for plan in EP_PLANS}
     return out
 
 
@@ -209,14 +210,15 @@ def _cfg():
     return ModelConfig.preset("tiny")
 
 
-def _train_worker(rank, world, ep):
+def _train_worker(rank, world, ep, plan):
     warnings.filterwarnings("ignore", category=FutureWarning)
     cfg = _cfg()
-    return fit(lambda: K3ForCausalLM(cfg), _batches(), _train_cfg(), parallel=ParallelOptions(ep=ep)).summary()
+    return fit(lambda: K3ForCausalLM(cfg), _batches(), _train_cfg(), parallel=ParallelOptions(ep=ep, ep_plan=plan)).summary()
 
 
 def test_training_with_moonep_equals_one_process(ranks):
-    """`--ep W` at W gloo ranks (MoonEP, Muon, 3 steps): the one-process losses within 1e-5, every rank the same.
+    """`--ep W` at W gloo ranks (MoonEP, Muon, 3 steps), planned on the host and on the device (`--ep-plan`): the
+    one-process losses within 1e-5, every rank the same, every rank computing the same number of slots.
     At W = 8 each rank holds one of tiny's 8 experts: a [1, I, L] slice, which Muon must still treat as a matrix
     (it went to AdamW, and the losses drifted 3e-5 by step 2)."""
     world, results = ranks
@@ -224,8 +226,10 @@ def test_training_with_moonep_equals_one_process(ranks):
         pytest.skip(f"whole runs are compared at {TRAIN_WORLDS} ranks")
     torch.manual_seed(0)
     ref = [r["loss"] for r in fit(K3ForCausalLM(_cfg()), _batches(), _train_cfg()).history]
-    runs = [r["train"] for r in results]
-    assert all(r["losses"] == runs[0]["losses"] for r in runs)
-    for a, b in zip(runs[0]["losses"], ref):
-        assert abs(a - b) / b < 1e-5, (runs[0]["losses"], ref)
-    assert runs[0]["slots_per_rank"] and all(len(set(slots)) == 1 for slots in runs[0]["slots_per_rank"])
+    for plan in EP_PLANS:
+        runs = [r["train"][plan] for r in results]
+        assert all(r["losses"] == runs[0]["losses"] for r in runs), plan
+        for a, b in zip(runs[0]["losses"], ref):
+            assert abs(a - b) / b < 1e-5, (plan, runs[0]["losses"], ref)
+        assert runs[0]["slots_per_rank"] and all(len(set(slots)) == 1 for slots in runs[0]["slots_per_rank"]), plan
+        assert runs[0]["dispatchers"] == [{"host": "ExpertParallelDispatcher", "device": "StaticMoonEPDispatcher"}[plan]]

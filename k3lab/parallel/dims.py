@@ -34,6 +34,8 @@ import torch.distributed as dist
 
 AXES = ("dp_shard", "cp", "ep")
 EP_KINDS = ("moonep", "ep")  # MoonEP (balanced, replicas) and plain EP (experts at home only): k3lab.parallel.expert
+EP_PLANS = ("host", "device")  # where MoonEP plans: counts read back each MoE layer (k3lab.parallel.expert), or on the
+# device with fixed shapes, traced by torch.compile between its collectives (k3lab.parallel.expert_static)
 DEFAULT_TIMEOUT_S = 120.0  # every process group's timeout: a dead rank ends the run, nothing hangs
 
 

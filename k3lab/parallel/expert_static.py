@@ -114,7 +114,8 @@ class StaticMoonEPDispatcher:
     4. the replica weights come from their donor in one exchange (``[El + R − 2]`` rows out, ``[El]`` in);
     5. one grouped expert call over the 2·El groups, rows back to received order, exchanged back, combined.
 
-    Records ``last_alloc`` ([E, R] int64, on the device) after each forward.
+    Records ``last_alloc`` ([E, R] int64) and ``last_slots_per_rank`` ([R] int64: the rows each rank receives by the
+    plan, S·K on every rank), both on the device, after each forward.
     """
 
     def __init__(self, group: ProcessGroup | None, num_experts: int, exchange: Exchange = exchange_reference,
@@ -125,6 +126,7 @@ class StaticMoonEPDispatcher:
         self.num_local = num_experts // self.num_ranks
         self._local = LocalDispatcher(backend)  # its combine (the fused row kernels on "triton"/"auto" + CUDA)
         self.last_alloc: Tensor | None = None
+        self.last_slots_per_rank: Tensor | None = None
 
     def run(self, z: Tensor, topk_idx: Tensor, topk_weight: Tensor, experts: RoutedExperts) -> Tensor:
         R, r, E, El = self.num_ranks, self.rank, self.num_experts, self.num_local
@@ -167,7 +169,7 @@ class StaticMoonEPDispatcher:
         y = experts(self._rows(x_recv, perm, perm_inv, 1), bank_counts, weights)          # [M, L] by bank
         y_recv = self._rows(y, perm_inv, perm, 1)                                         # [M, L] (s, e, p) order
         y_back = self._exchange(y_recv, recv, send, M)                                    # [M, L] (d, e, p) order
-        self.last_alloc = alloc
+        self.last_alloc, self.last_slots_per_rank = alloc, n.sum((0, 1))                  # [E, R], [R]
         plan = DispatchPlan(send_slots, counts, S, K, inverse=send_inv)
         return self._local.combine(y_back, plan, topk_weight)                            # [S, L] fp32
 

@@ -39,7 +39,7 @@ from k3lab.mixers.mla import GatedMLA
 from k3lab.model import IGNORE_INDEX, LossShard
 from k3lab.moe.latent import LatentMoE, RoutedExperts
 from k3lab.parallel.context import CP_LAYOUTS
-from k3lab.parallel.dims import DEFAULT_TIMEOUT_S, EP_KINDS, ParallelDims, ParallelGroups, check_timeout
+from k3lab.parallel.dims import DEFAULT_TIMEOUT_S, EP_KINDS, EP_PLANS, ParallelDims, ParallelGroups, check_timeout
 from k3lab.parallel.fsdp import apply_fsdp
 
 
@@ -53,13 +53,15 @@ class ParallelOptions:
     cp: int = 1                        # context-parallel degree (KCP for KDA, latent all-gather for MLA)
     ep: int = 1                        # expert-parallel degree (borrows the dp_shard·cp ranks)
     ep_kind: str = "moonep"            # EP_KINDS: "moonep" (balanced replicas) | "ep" (plain home experts)
+    ep_plan: str = "host"              # EP_PLANS: MoonEP planned on the host (counts read back) | on the device (its
+    # expert call compiled with the sublayers; the same plan and result: docs/scaling.md, section 4f)
     cp_layout: str = "contiguous"      # CP_LAYOUTS: how a sequence is cut over the CP ranks
     timeout: float = DEFAULT_TIMEOUT_S  # seconds every process group waits before it fails the run
     reshard_after_forward: bool = True  # FSDP2: free a sublayer's gathered weights after its forward and gather them
     # again for its backward; False keeps them until the backward (one all-gather a sublayer a step instead of two,
     # fewer hooks and copies; the gathered weights of every sublayer stay in memory through the step)
 
-    CHOICES = {"ep_kind": EP_KINDS, "cp_layout": CP_LAYOUTS}
+    CHOICES = {"ep_kind": EP_KINDS, "ep_plan": EP_PLANS, "cp_layout": CP_LAYOUTS}
 
     def __post_init__(self):
         def need(ok: bool, name: str, rule: str):
@@ -72,6 +74,8 @@ class ParallelOptions:
              "must be an int >= 1, or -1 for world_size / cp")
         for name, allowed in self.CHOICES.items():
             need(getattr(self, name) in allowed, name, f"allowed values are {allowed}")
+        need(self.ep_plan == "host" or self.ep_kind == "moonep", "ep_plan",
+             f"'device' plans MoonEP only: with ep_kind={self.ep_kind!r} use 'host'")
         need(type(self.reshard_after_forward) is bool, "reshard_after_forward", "must be True or False")
         try:
             check_timeout(self.timeout)  # the rule, defined once (k3lab.parallel.dims)
@@ -112,7 +116,7 @@ def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
 
 
 def parallelize(model: nn.Module, groups: ParallelGroups, device: torch.device, *, ep_kind: str = "moonep",
-                cp_layout: str = "contiguous", recompute: str = "none", recompute_layers: int | None = None,
+                ep_plan: str = "host", cp_layout: str = "contiguous", recompute: str = "none", recompute_layers: int | None = None,
                 compile: str = "none", param_dtype: torch.dtype | None = None,
                 reduce_dtype: torch.dtype | None = None,
                 reshard_after_forward: bool = True) -> tuple[nn.Module, set[nn.Parameter]]:
@@ -120,7 +124,8 @@ def parallelize(model: nn.Module, groups: ParallelGroups, device: torch.device, 
     parameters)`` (a meta model's ``to_empty`` replaces those Parameter objects: collect them again after it).
     ``recompute``/``recompute_layers``/``compile`` as in :class:`k3lab.train.TrainConfig`; ``param_dtype``:
     FSDP2's compute dtype (bf16 with fp32 masters and fp32 gradient reduction; None: the parameters' own);
-    ``reduce_dtype``: FSDP2's gradient-reduction dtype, ``reshard_after_forward`` whether a sublayer's weights are
+    ``ep_plan``: "device" swaps MoonEP's dispatchers for :class:`k3lab.parallel.expert_static.StaticMoonEPDispatcher`
+    (:class:`ParallelOptions`); ``reduce_dtype``: FSDP2's gradient-reduction dtype, ``reshard_after_forward`` whether a sublayer's weights are
     gathered again for its backward (:func:`k3lab.parallel.fsdp.apply_fsdp`; :class:`ParallelOptions`).
 
     World size 1 without a process group: the model is only moved (recompute and compile applied)."""
@@ -130,6 +135,10 @@ def parallelize(model: nn.Module, groups: ParallelGroups, device: torch.device, 
         from k3lab.parallel.expert import apply_expert_parallel
 
         apply_expert_parallel(model, groups.ep, kind=ep_kind)
+        if ep_plan == "device":
+            from k3lab.parallel.expert_static import apply_static_moonep
+
+            apply_static_moonep(model, groups.ep)
         experts = set(expert_parameters(model))
     if dims.cp > 1:
         from k3lab.parallel.context import CPContext
