@@ -359,6 +359,7 @@ def run_config(spec: Spec, args) -> dict:
         row.update(ms_per_step=1e3 * dt, ms_per_step_min=1e3 * min(times), tokens_per_s=tokens_per_s,
                    mfu=6 * active * tokens_per_s / args.peak_flops,
                    peak_mem_gib=peak if peak is not None else _peak_memory_gib(device), losses=[r["loss"] for r in history],
+                   grad_norms=[r.get("grad_norm") for r in history],
                    first_step_s=elapsed[0], loss_first=history[0]["loss"], loss=history[-1]["loss"],
                    steps_timed=len(times), wall_s=wall)
     except Exception as err:  # noqa: BLE001 — a row per config, whatever happened
