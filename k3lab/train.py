@@ -404,7 +404,7 @@ def _setup(model, cfg: TrainConfig, parallel, first_batch_shape) -> _Run:
     # FSDP2 mixed precision: bf16 compute from fp32 shards (the masters), or bf16 shards (masters on them: fit)
     bf16_compute = torch.bfloat16 if distributed and cfg.param_dtype == "bfloat16" and not on_shards else None
     net, experts = parallelize(net, groups, device, ep_kind=getattr(parallel, "ep_kind", "moonep"),
-                               ep_plan=getattr(parallel, "ep_plan", "auto"),
+                               ep_plan=getattr(parallel, "ep_plan", "host"),
                                cp_layout=getattr(parallel, "cp_layout", "contiguous"), recompute=cfg.recompute,
                                recompute_layers=cfg.recompute_layers, compile=cfg.compile, param_dtype=bf16_compute,
                                reduce_dtype=torch.float32 if on_shards else None,

@@ -43,7 +43,7 @@ it) and the same batches
 ``k3lab.cli.flags_for`` makes of the same TrainConfig. The table's last lines give CLI ÷ fit for tokens/s
 and peak memory and the largest relative difference of their per-step losses.
 
-``@via=fake-rank[,ranks=2|4|8][,reshard=true|false][,ep=2|4|8[,ep_plan=auto|host|device]]``: ``fit`` as rank 0 of a
+``@via=fake-rank[,ranks=2|4|8][,reshard=true|false][,ep=2|4|8[,ep_plan=host|device]]``: ``fit`` as rank 0 of a
 sharded run (FSDP alone, or with MoonEP over ``ep`` of the ranks; 8 ranks by
 default) in PyTorch's fake process group, every collective free, the rank holding the config's B × T tokens: the
 sharded step as ``fit`` runs it (masters, graphs and all), timed on one GPU, against the one-GPU ``@via=fit`` row
@@ -113,7 +113,6 @@ if ROOT not in sys.path:  # run as a script from anywhere: the repo's k3lab firs
 from k3lab.cli import add_dataclass_flags, field_value, flag_errors, flags_for  # noqa: E402
 from k3lab.config import DEVICES, DTYPES  # noqa: E402
 from k3lab.parallel.dims import EP_PLANS  # noqa: E402
-from k3lab.parallel.parallelize import resolve_ep_plan  # noqa: E402
 from k3lab.train import TrainConfig  # noqa: E402
 
 MODELS = ("small", "kda-anchor", "fla-kda-anchor", "tiny")
@@ -344,8 +343,7 @@ def run_config(spec: Spec, args) -> dict:
                 row["via"] = via if via != "fake-rank" else (
                     f"fake rank of {spec.option('ranks', '8')}" + (", reshard=false" if spec.option("reshard", "true")
                                                                    == "false" else "")
-                    + (f", EP = {spec.option('ep', '1')}, "
-                       f"{resolve_ep_plan(spec.option('ep_plan', 'auto'), 'moonep', device.type)}-planned MoonEP"
+                    + (f", EP = {spec.option('ep', '1')}, {spec.option('ep_plan', 'host')}-planned MoonEP"
                        if spec.option("ep", "1") != "1" else ""))
                 del model
                 history, peak = run_via(via, spec, cfg, device)
@@ -404,7 +402,7 @@ def run_via(via: str, spec: Spec, train_cfg, device) -> tuple[list[dict], float 
 
 def fit_as_fake_rank(spec: Spec, cfg, train_cfg, device) -> list[dict]:
     """``@via=fake-rank``: ``fit`` as rank 0 of ``ranks`` (default 8) in PyTorch's fake process group, FSDP alone or
-    with ``ep=N`` (MoonEP over N of the ranks, ``ep_plan=auto|host|device``: ``ParallelOptions.ep_plan``; every rank
+    with ``ep=N`` (MoonEP over N of the ranks, ``ep_plan=host|device``: ``ParallelOptions.ep_plan``; every rank
     routes like this one, so the plan's split sizes agree) (``reshard=false``:
     ``ParallelOptions.reshard_after_forward=False``), on a global batch of ranks·B rows, so the
     rank holds B × T tokens, as the one-GPU row does. Every collective is free (the fake group returns this rank's
@@ -420,7 +418,7 @@ def fit_as_fake_rank(spec: Spec, cfg, train_cfg, device) -> list[dict]:
     ps = sys.modules.get("predict_scaling") or load_script(os.path.join(HERE, "predict_scaling.py"), "predict_scaling")
     ranks = int(spec.option("ranks", "8"))
     parallel = ParallelOptions(reshard_after_forward=spec.option("reshard", "true") == "true",
-                               ep=int(spec.option("ep", "1")), ep_plan=spec.option("ep_plan", "auto"))
+                               ep=int(spec.option("ep", "1")), ep_plan=spec.option("ep_plan", "host"))
     with ps.fake_rank(ranks, 0, device):
         return fit(lambda: K3ForCausalLM(cfg), batches_for("random", cfg, ranks * spec.B, spec.T, 0), train_cfg,
                    parallel=parallel).history

@@ -18,9 +18,10 @@ from k3lab.data import batch_iterator
 from k3lab.model import K3ForCausalLM
 from k3lab.moe.latent import LatentMoE
 from k3lab.parallel.collectives import all_gather, all_reduce_sum
+from k3lab.parallel.dims import EP_PLANS
 from k3lab.parallel.expert import EP_KINDS, apply_expert_parallel, plan_moonep, tokens_per_expert
 from k3lab.parallel.expert_static import apply_static_moonep, plan_moonep_torch
-from k3lab.parallel.parallelize import ParallelOptions, resolve_ep_plan
+from k3lab.parallel.parallelize import ParallelOptions
 from k3lab.parallel.spawn import run_ranks
 from k3lab.testing import rel_err
 from k3lab.train import TrainConfig, fit
@@ -133,7 +134,6 @@ def dispatch_vs_one_process(rank: int, world: int) -> dict:
 
 
 TRAIN_WORLDS = (4, 8)  # world sizes at which whole training runs are compared too (in the same processes)
-PLANS = ("host", "device")  # MoonEP's two planners (ParallelOptions.ep_plan; "auto" picks one of them)
 
 
 def dispatch_and_train(rank: int, world: int) -> dict:
@@ -141,7 +141,7 @@ def dispatch_and_train(rank: int, world: int) -> dict:
     in the same processes: one start-up of W ranks serves both tests."""
     out = {"dispatch": dispatch_vs_one_process(rank, world)}
     if world in TRAIN_WORLDS:
-        out["train"] = {plan: _train_worker(rank, world, world, plan) for plan in PLANS}
+        out["train"] = {plan: _train_worker(rank, world, world, plan) for plan in EP_PLANS}
     return out
 
 
@@ -226,22 +226,10 @@ def test_training_with_moonep_equals_one_process(ranks):
         pytest.skip(f"whole runs are compared at {TRAIN_WORLDS} ranks")
     torch.manual_seed(0)
     ref = [r["loss"] for r in fit(K3ForCausalLM(_cfg()), _batches(), _train_cfg()).history]
-    for plan in PLANS:
+    for plan in EP_PLANS:
         runs = [r["train"][plan] for r in results]
         assert all(r["losses"] == runs[0]["losses"] for r in runs), plan
         for a, b in zip(runs[0]["losses"], ref):
             assert abs(a - b) / b < 1e-5, (plan, runs[0]["losses"], ref)
         assert runs[0]["slots_per_rank"] and all(len(set(slots)) == 1 for slots in runs[0]["slots_per_rank"]), plan
         assert runs[0]["dispatchers"] == [{"host": "ExpertParallelDispatcher", "device": "StaticMoonEPDispatcher"}[plan]]
-
-
-def test_auto_plans_moonep_on_the_device_on_cuda_only():
-    """``ep_plan="auto"`` (the default): MoonEP on CUDA is planned on the device (measured faster there), plain EP and
-    every CPU run on the host; "device" with plain EP is refused naming the field."""
-    assert ParallelOptions().ep_plan == "auto"
-    assert [resolve_ep_plan("auto", kind, dev) for kind in ("moonep", "ep") for dev in ("cuda", "cpu")] == \
-        ["device", "host", "host", "host"]
-    assert resolve_ep_plan("host", "moonep", "cuda") == "host" and resolve_ep_plan("device", "moonep", "cpu") == "device"
-    ParallelOptions(ep_kind="ep")  # auto: the host
-    with pytest.raises(ValueError, match=r"ParallelOptions.ep_plan='device': 'device' plans MoonEP only"):
-        ParallelOptions(ep_kind="ep", ep_plan="device")

@@ -388,7 +388,7 @@ def _cli(*args):
     (["--stop-at", "-1"], "error: argument --stop-at: -1: must be an int >= 1"),
     (["--timeout", "0"], "error: --timeout: must be a finite number of seconds > 0"),
     (["--ep", "3"], "error: --ep: must divide the dp_shard·cp = 1 ranks it borrows"),
-    (["--ep-plan", "device", "--ep-kind", "ep"], "error: --ep-plan: 'device' plans MoonEP only: with ep_kind='ep' use 'host' or 'auto'"),
+    (["--ep-plan", "device", "--ep-kind", "ep"], "error: --ep-plan: 'device' plans MoonEP only: with ep_kind='ep' use"),
     (["--recompute-layers", "2"], "error: --recompute-layers: needs TrainConfig.recompute in"),
     (["--bogus", "1"], "error: unrecognized arguments: --bogus 1"),
     (["--steps"], "error: argument --steps: expected one argument"),

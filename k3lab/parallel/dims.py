@@ -34,9 +34,8 @@ import torch.distributed as dist
 
 AXES = ("dp_shard", "cp", "ep")
 EP_KINDS = ("moonep", "ep")  # MoonEP (balanced, replicas) and plain EP (experts at home only): k3lab.parallel.expert
-EP_PLANS = ("auto", "host", "device")  # where MoonEP plans: counts read back each MoE layer (k3lab.parallel.expert),
-# or on the device with fixed shapes, traced by torch.compile between its collectives (k3lab.parallel.expert_static);
-# auto: the device on CUDA (measured faster there), the host elsewhere and for plain EP (k3lab.parallel.parallelize)
+EP_PLANS = ("host", "device")  # where MoonEP plans: counts read back each MoE layer (k3lab.parallel.expert), or on the
+# device with fixed shapes, traced by torch.compile between its collectives (k3lab.parallel.expert_static)
 DEFAULT_TIMEOUT_S = 120.0  # every process group's timeout: a dead rank ends the run, nothing hangs
 
 

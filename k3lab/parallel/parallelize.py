@@ -53,9 +53,8 @@ class ParallelOptions:
     cp: int = 1                        # context-parallel degree (KCP for KDA, latent all-gather for MLA)
     ep: int = 1                        # expert-parallel degree (borrows the dp_shard·cp ranks)
     ep_kind: str = "moonep"            # EP_KINDS: "moonep" (balanced replicas) | "ep" (plain home experts)
-    ep_plan: str = "auto"              # EP_PLANS: MoonEP planned on the host (counts read back) | on the device (its
-    # expert call compiled with the sublayers; the same plan and result: docs/scaling.md, section 4f) | auto
-    # (resolve_ep_plan: the device on CUDA with MoonEP, else the host)
+    ep_plan: str = "host"              # EP_PLANS: MoonEP planned on the host (counts read back) | on the device (its
+    # expert call compiled with the sublayers; the same plan and result: docs/scaling.md, section 4f)
     cp_layout: str = "contiguous"      # CP_LAYOUTS: how a sequence is cut over the CP ranks
     timeout: float = DEFAULT_TIMEOUT_S  # seconds every process group waits before it fails the run
     reshard_after_forward: bool = True  # FSDP2: free a sublayer's gathered weights after its forward and gather them
@@ -75,8 +74,8 @@ class ParallelOptions:
              "must be an int >= 1, or -1 for world_size / cp")
         for name, allowed in self.CHOICES.items():
             need(getattr(self, name) in allowed, name, f"allowed values are {allowed}")
-        need(self.ep_plan != "device" or self.ep_kind == "moonep", "ep_plan",
-             f"'device' plans MoonEP only: with ep_kind={self.ep_kind!r} use 'host' or 'auto'")
+        need(self.ep_plan == "host" or self.ep_kind == "moonep", "ep_plan",
+             f"'device' plans MoonEP only: with ep_kind={self.ep_kind!r} use 'host'")
         need(type(self.reshard_after_forward) is bool, "reshard_after_forward", "must be True or False")
         try:
             check_timeout(self.timeout)  # the rule, defined once (k3lab.parallel.dims)
@@ -116,29 +115,18 @@ def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
     return [p for m in model.modules() if isinstance(m, RoutedExperts) for p in m.parameters()]
 
 
-def resolve_ep_plan(ep_plan: str, ep_kind: str, device_type: str) -> str:
-    """``"host"`` or ``"device"`` for :attr:`ParallelOptions.ep_plan`: "auto" is "device" for MoonEP on CUDA (one H100,
-    2026-12-07: ``fit``'s compiled MoonEP rank of 8 took 311 ms a step planned on the device, 574 ms on the host,
-    the same losses; ``docs/scaling.md``, section 4f), else "host" (plain EP has only that planner; on a CPU the
-    planners were not timed)."""
-    if ep_plan != "auto":
-        return ep_plan
-    return "device" if ep_kind == "moonep" and device_type == "cuda" else "host"
-
-
 def parallelize(model: nn.Module, groups: ParallelGroups, device: torch.device, *, ep_kind: str = "moonep",
-                ep_plan: str = "auto", cp_layout: str = "contiguous", recompute: str = "none",
-                recompute_layers: int | None = None, compile: str = "none", param_dtype: torch.dtype | None = None,
+                ep_plan: str = "host", cp_layout: str = "contiguous", recompute: str = "none", recompute_layers: int | None = None,
+                compile: str = "none", param_dtype: torch.dtype | None = None,
                 reduce_dtype: torch.dtype | None = None,
                 reshard_after_forward: bool = True) -> tuple[nn.Module, set[nn.Parameter]]:
     """EP -> CP -> recompute -> compile -> FSDP on ``model`` (in place); returns ``(model, EP expert
     parameters)`` (a meta model's ``to_empty`` replaces those Parameter objects: collect them again after it).
     ``recompute``/``recompute_layers``/``compile`` as in :class:`k3lab.train.TrainConfig`; ``param_dtype``:
     FSDP2's compute dtype (bf16 with fp32 masters and fp32 gradient reduction; None: the parameters' own);
-    ``ep_plan`` (:func:`resolve_ep_plan`): "device" swaps MoonEP's dispatchers for
-    :class:`k3lab.parallel.expert_static.StaticMoonEPDispatcher` (:class:`ParallelOptions`); ``reduce_dtype``:
-    FSDP2's gradient-reduction dtype, ``reshard_after_forward`` whether a sublayer's weights are gathered again for
-    its backward (:func:`k3lab.parallel.fsdp.apply_fsdp`; :class:`ParallelOptions`).
+    ``ep_plan``: "device" swaps MoonEP's dispatchers for :class:`k3lab.parallel.expert_static.StaticMoonEPDispatcher`
+    (:class:`ParallelOptions`); ``reduce_dtype``: FSDP2's gradient-reduction dtype, ``reshard_after_forward`` whether a sublayer's weights are
+    gathered again for its backward (:func:`k3lab.parallel.fsdp.apply_fsdp`; :class:`ParallelOptions`).
 
     World size 1 without a process group: the model is only moved (recompute and compile applied)."""
     dims = groups.dims
@@ -147,7 +135,7 @@ def parallelize(model: nn.Module, groups: ParallelGroups, device: torch.device, 
         from k3lab.parallel.expert import apply_expert_parallel
 
         apply_expert_parallel(model, groups.ep, kind=ep_kind)
-        if resolve_ep_plan(ep_plan, ep_kind, device.type) == "device":
+        if ep_plan == "device":
             from k3lab.parallel.expert_static import apply_static_moonep
 
             apply_static_moonep(model, groups.ep)
