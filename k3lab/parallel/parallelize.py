@@ -116,17 +116,18 @@ def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
 
 
 def parallelize(model: nn.Module, groups: ParallelGroups, device: torch.device, *, ep_kind: str = "moonep",
-                ep_plan: str = "host", cp_layout: str = "contiguous", recompute: str = "none", recompute_layers: int | None = None,
-                compile: str = "none", param_dtype: torch.dtype | None = None,
+                ep_plan: str = "host", cp_layout: str = "contiguous", recompute: str = "none",
+                recompute_layers: int | None = None, compile: str = "none", param_dtype: torch.dtype | None = None,
                 reduce_dtype: torch.dtype | None = None,
                 reshard_after_forward: bool = True) -> tuple[nn.Module, set[nn.Parameter]]:
     """EP -> CP -> recompute -> compile -> FSDP on ``model`` (in place); returns ``(model, EP expert
     parameters)`` (a meta model's ``to_empty`` replaces those Parameter objects: collect them again after it).
     ``recompute``/``recompute_layers``/``compile`` as in :class:`k3lab.train.TrainConfig`; ``param_dtype``:
     FSDP2's compute dtype (bf16 with fp32 masters and fp32 gradient reduction; None: the parameters' own);
-    ``ep_plan``: "device" swaps MoonEP's dispatchers for :class:`k3lab.parallel.expert_static.StaticMoonEPDispatcher`
-    (:class:`ParallelOptions`); ``reduce_dtype``: FSDP2's gradient-reduction dtype, ``reshard_after_forward`` whether a sublayer's weights are
-    gathered again for its backward (:func:`k3lab.parallel.fsdp.apply_fsdp`; :class:`ParallelOptions`).
+    ``ep_plan``: "device" swaps MoonEP's dispatchers for
+    :class:`k3lab.parallel.expert_static.StaticMoonEPDispatcher` (:class:`ParallelOptions`); ``reduce_dtype``:
+    FSDP2's gradient-reduction dtype, ``reshard_after_forward`` whether a sublayer's weights are gathered again for
+    its backward (:func:`k3lab.parallel.fsdp.apply_fsdp`; :class:`ParallelOptions`).
 
     World size 1 without a process group: the model is only moved (recompute and compile applied)."""
     dims = groups.dims
