@@ -133,12 +133,9 @@ def test_the_expert_call_is_compiled_between_the_collectives():
     assert not slow, f"accumulating index ops traced (sort-based index_put on CUDA): {slow}"
 
 
-@pytest.mark.gpu
-def test_the_compiled_static_dispatcher_on_cuda_equals_eager():
-    """What ``ep_plan="auto"`` runs on CUDA: the device-planned dispatcher compiled by inductor (its plan, row orders
-    and expert call as generated kernels, the fused row kernels of the triton backend) equals the same MoE eager on
-    the GPU, forward and backward, fp32 within 1e-4 (rank 0 of a 2-rank fake group, every expert used, the stand-in
-    exchange of the CPU test). The gloo tests check the plan against one process; this checks inductor's kernels."""
+def _compiled_vs_eager(device: str, backend: str, static_capacity: bool, compile_backend: str = "inductor") -> dict:
+    """Relative errors of the static dispatcher's MoE compiled (``compile_backend``) against the same MoE eager on
+    ``device``, forward and backward (rank 0 of a 2-rank fake group, 4 experts each, the stand-in exchange)."""
     import torch.distributed as dist
     import torch.testing._internal.distributed.fake_pg  # noqa: F401 — registers the "fake" backend
 
@@ -146,25 +143,50 @@ def test_the_compiled_static_dispatcher_on_cuda_equals_eager():
     from k3lab.moe.latent import LatentMoE
     from k3lab.parallel.expert import apply_expert_parallel
     from k3lab.parallel.expert_static import apply_static_moonep
-    from k3lab.testing import assert_close
+    from k3lab.testing import rel_err
 
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    cfg = ModelConfig.preset("tiny").replace(n_routed_experts=8, num_experts_per_tok=2, backend="auto")
+    cfg = ModelConfig.preset("tiny").replace(n_routed_experts=8, num_experts_per_tok=2, backend=backend)
     dist.init_process_group("fake", rank=0, world_size=2, store=dist.HashStore())
     try:
         outs = []
         for compiled in (False, True):
             torch.manual_seed(0)
-            moe = apply_static_moonep(apply_expert_parallel(LatentMoE(cfg), None), None, _own_rows).cuda()
-            x = torch.randn(4, 64, cfg.hidden_size, device="cuda", requires_grad=True)
+            moe = apply_static_moonep(apply_expert_parallel(LatentMoE(cfg), None), None, _own_rows).to(device)
+            moe.experts.static_capacity = static_capacity
+            x = torch.randn(4, 64, cfg.hidden_size, device=device, requires_grad=True)
             if compiled:
                 torch._dynamo.reset()
-                moe.compile()
+                moe.compile(backend=compile_backend)
             y = moe(x)
             y.square().sum().backward()
-            outs.append((y.detach(), x.grad, moe.experts.w1.grad, moe.experts.w2.grad))
+            outs.append((y.detach(), x.grad, moe.experts.w1.grad, moe.experts.w2.grad,
+                         moe.routed_expert_down_proj.weight.grad, moe.gate.weight.grad))
     finally:
         dist.destroy_process_group()
-    for name, a, b in zip(("y", "x grad", "w1 grad", "w2 grad"), *outs):
-        assert_close(f"compiled static MoonEP on CUDA, {name}", b, a, 1e-4)
+    names = ("y", "x grad", "w1 grad", "w2 grad", "down-proj grad", "router grad")
+    return {name: rel_err(b, a) for name, a, b in zip(names, *outs)}
+
+
+def test_the_static_dispatcher_compiled_by_inductor_equals_eager_on_cpu():
+    """Inductor's CPU code for the plan, the row orders and the padded experts (capacity read back, and fixed)
+    against eager: fp32 within 1e-5, every output and gradient."""
+    for static_capacity in (False, True):
+        errs = _compiled_vs_eager("cpu", "torch", static_capacity)
+        assert max(errs.values()) <= 1e-5, (static_capacity, errs)
+
+
+@pytest.mark.gpu
+def test_the_compiled_static_dispatcher_on_cuda_equals_eager():
+    """What ``ep_plan="device"`` runs on CUDA: the device-planned dispatcher compiled by inductor (its plan, row
+    orders and expert call as generated kernels; the fused row kernels with backend "auto") equals the same MoE eager
+    on the GPU, forward and backward, fp32 within 1e-4. Every variant is computed before the assert, so one failure
+    shows which of the backend (fused rows or torch) and the padded experts' capacity (read back or fixed) it
+    follows. Failed on one H100 on 2026-12-07 (backend "auto", capacity read back: the input gradient 27% off, the
+    output equal); the other variants had not run."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    errs = {(backend, static): _compiled_vs_eager("cuda", backend, static)
+            for backend in ("auto", "torch") for static in (False, True)}
+    report = "; ".join(f"backend={b}, static_capacity={s}: " + ", ".join(f"{k} {v:.1e}" for k, v in e.items())
+                       for (b, s), e in errs.items())
+    assert all(max(e.values()) <= 1e-4 for e in errs.values()), report
