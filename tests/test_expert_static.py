@@ -133,9 +133,11 @@ def test_the_expert_call_is_compiled_between_the_collectives():
     assert not slow, f"accumulating index ops traced (sort-based index_put on CUDA): {slow}"
 
 
-def _compiled_vs_eager(device: str, backend: str, static_capacity: bool, compile_backend: str = "inductor") -> dict:
+def _compiled_vs_eager(device: str, backend: str, static_capacity: bool, impl: str = "auto",
+                       compile_backend: str = "inductor") -> dict:
     """Relative errors of the static dispatcher's MoE compiled (``compile_backend``) against the same MoE eager on
-    ``device``, forward and backward (rank 0 of a 2-rank fake group, 4 experts each, the stand-in exchange)."""
+    ``device``, forward and backward (rank 0 of a 2-rank fake group, 4 experts each, the stand-in exchange;
+    ``impl``: the experts' path, ``static_capacity``: the padded path's capacity fixed at S or read back)."""
     import torch.distributed as dist
     import torch.testing._internal.distributed.fake_pg  # noqa: F401 — registers the "fake" backend
 
@@ -151,7 +153,7 @@ def _compiled_vs_eager(device: str, backend: str, static_capacity: bool, compile
         outs = []
         for compiled in (False, True):
             torch.manual_seed(0)
-            moe = apply_static_moonep(apply_expert_parallel(LatentMoE(cfg), None), None, _own_rows).to(device)
+            moe = apply_static_moonep(apply_expert_parallel(LatentMoE(cfg, impl), None), None, _own_rows).to(device)
             moe.experts.static_capacity = static_capacity
             x = torch.randn(4, 64, cfg.hidden_size, device=device, requires_grad=True)
             if compiled:
@@ -180,13 +182,15 @@ def test_the_compiled_static_dispatcher_on_cuda_equals_eager():
     """What ``ep_plan="device"`` runs on CUDA: the device-planned dispatcher compiled by inductor (its plan, row
     orders and expert call as generated kernels; the fused row kernels with backend "auto") equals the same MoE eager
     on the GPU, forward and backward, fp32 within 1e-4. Every variant is computed before the assert, so one failure
-    shows which of the backend (fused rows or torch) and the padded experts' capacity (read back or fixed) it
-    follows. Failed on one H100 on 2026-12-07 (backend "auto", capacity read back: the input gradient 27% off, the
-    output equal); the other variants had not run."""
+    shows what it follows: the backend (fused rows and the triton router and projections, or torch), the padded
+    experts' capacity (read back or fixed at S), or the experts' path (padded or the reference loop). Failed on one
+    H100 on 2026-12-07 (backend "auto", padded, capacity read back: the input gradient 27% off, the output equal);
+    the other variants had not run."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    errs = {(backend, static): _compiled_vs_eager("cuda", backend, static)
-            for backend in ("auto", "torch") for static in (False, True)}
-    report = "; ".join(f"backend={b}, static_capacity={s}: " + ", ".join(f"{k} {v:.1e}" for k, v in e.items())
-                       for (b, s), e in errs.items())
+    variants = [("auto", "padded", False), ("torch", "padded", False), ("auto", "padded", True),
+                ("auto", "reference", False)]
+    errs = {v: _compiled_vs_eager("cuda", v[0], v[2], v[1]) for v in variants}
+    report = "; ".join(f"backend={b}, impl={i}, static_capacity={s}: " + ", ".join(f"{k} {v:.1e}" for k, v in e.items())
+                       for (b, i, s), e in errs.items())
     assert all(max(e.values()) <= 1e-4 for e in errs.values()), report
