@@ -81,6 +81,43 @@ def _own_rows(x, send, recv, rows_out, group):
     return torch.cat([x[:k], x.new_zeros(rows_out - k, *x.shape[1:])])
 
 
+def _own_rows_host(x, send, recv, rows_out, group):
+    """:func:`_own_rows` as an exchange that wants its split sizes on the host (as ``exchange_reference``)."""
+    assert send.device.type == recv.device.type == "cpu"
+    return _own_rows(x, send, recv, rows_out, group)
+
+
+_own_rows_host.host_splits = True
+
+
+def test_one_host_read_a_forward_eager_and_compiled():
+    """With an exchange that reads its split sizes on the host, the dispatcher copies a forward's four split vectors
+    (rows and weight rows, out and in) to the host once, eager and compiled (the three exchanges reuse the copy
+    across the graph breaks), where reading each exchange's sizes took three device syncs a MoE layer."""
+    import torch.distributed as dist
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401 — registers the "fake" backend
+
+    from k3lab.config import ModelConfig
+    from k3lab.moe.latent import LatentMoE
+    from k3lab.parallel.expert import apply_expert_parallel
+    from k3lab.parallel.expert_static import apply_static_moonep
+
+    cfg = ModelConfig.preset("tiny").replace(n_routed_experts=8, num_experts_per_tok=2)
+    dist.init_process_group("fake", rank=0, world_size=2, store=dist.HashStore())
+    try:
+        for compiled in (False, True):
+            torch.manual_seed(0)
+            moe = apply_static_moonep(apply_expert_parallel(LatentMoE(cfg), None), None, _own_rows_host)
+            if compiled:
+                torch._dynamo.reset()
+                moe.compile(backend="aot_eager")
+            for forwards in (1, 2):
+                moe(torch.randn(2, 16, cfg.hidden_size)).sum().backward()
+                assert moe.dispatcher.host_reads == forwards, (compiled, moe.dispatcher.host_reads)
+    finally:
+        dist.destroy_process_group()
+
+
 def test_the_expert_call_is_compiled_between_the_collectives():
     """Under torch.compile (fit's compile="sublayer") only the dispatcher's collectives run eager: the plan, both row
     orders and the grouped expert call are traced, so the experts' activation is fused as it is with the local

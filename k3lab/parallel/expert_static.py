@@ -20,7 +20,8 @@ exchange itself, which is a parameter (:data:`Exchange`):
 
 * :func:`exchange_reference` reads the split sizes on the host and runs the autograd all-to-all of
   :mod:`k3lab.parallel.collectives` (any backend, gloo included; not capturable). With it this dispatcher equals
-  one process (``tests/test_moonep_property.py``).
+  one process (``tests/test_moonep_property.py``); the split sizes of a forward's three exchanges come to the host
+  in one copy (one device sync a MoE layer, as the host-planned dispatcher's count read).
 * A capturable exchange takes the split sizes as device tensors: NVSHMEM's device-initiated all-to-all
   (``torch.ops.symm_mem.all_to_all_vdev``), which needs real GPUs on one host; none was lent, so it is not here.
   ``kernels/predict_scaling.py`` times a fake-group rank with a fixed-size stand-in of the same bytes.
@@ -46,7 +47,9 @@ from k3lab.parallel.expert import check_divisible, check_home_slice
 
 # exchange(x [C_in, …], send [R], recv [R], rows_out, group) -> [rows_out, …]: the first send[d] rows of x (after the
 # send[<d] before them) go to rank d; the result holds recv[s] rows from each rank s in rank order, then zero rows
-# up to rows_out. send/recv are int64 device tensors; the backward is the reverse exchange.
+# up to rows_out. send/recv are int64 tensors: on the host for an exchange whose ``host_splits`` attribute is True (the
+# dispatcher reads all of a forward's split sizes in one device-to-host copy), else on the device. The backward is
+# the reverse exchange.
 Exchange = Callable[[Tensor, Tensor, Tensor, int, "ProcessGroup | None"], Tensor]
 
 
@@ -57,6 +60,9 @@ def exchange_reference(x: Tensor, send: Tensor, recv: Tensor, rows_out: int, gro
         raise ValueError(f"exchange: {sum(recv_l)} rows to receive, the fixed buffer holds {rows_out}")
     got = all_to_all(x[: sum(send_l)], recv_l, send_l, group)                           # [Σ recv, …]
     return torch.cat([got, got.new_zeros(rows_out - got.shape[0], *got.shape[1:])])
+
+
+exchange_reference.host_splits = True  # its split sizes come to the host anyway: one read a forward, not three
 
 
 def plan_moonep_torch(tpe: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -127,6 +133,8 @@ class StaticMoonEPDispatcher:
         self._local = LocalDispatcher(backend)  # its combine (the fused row kernels on "triton"/"auto" + CUDA)
         self.last_alloc: Tensor | None = None
         self.last_slots_per_rank: Tensor | None = None
+        self._host: tuple[Tensor, Tensor] | None = None  # (the forward's split sizes, their host copy)
+        self.host_reads = 0  # device-to-host copies of split sizes so far (one a forward with exchange_reference)
 
     def run(self, z: Tensor, topk_idx: Tensor, topk_weight: Tensor, experts: RoutedExperts) -> Tensor:
         R, r, E, El = self.num_ranks, self.rank, self.num_experts, self.num_local
@@ -149,15 +157,16 @@ class StaticMoonEPDispatcher:
         bounds = alloc.cumsum(1).index_select(0, e_sorted)                                # [M, R]
         d = torch.searchsorted(bounds, position[:, None], right=True)[:, 0]               # [M] destination rank
         send_slots = order.index_select(0, (d * E + e_sorted).argsort(stable=True))       # [M] by (d, e, p)
-        send, recv = n[r].sum(0), n[:, :, r].sum(1)                                       # [R] each
+        home = torch.arange(E, device=dev) // El                                          # [E]
+        rep = (alloc > 0) & (home[:, None] != torch.arange(R, device=dev)[None])         # [E, R] replicas
+        splits = torch.stack([n[r].sum(0), n[:, :, r].sum(1),                             # rows out, in
+                              rep[r * El:(r + 1) * El].sum(0), rep[:, r].view(R, El).sum(1)])  # weights out, in
         send_inv = inverse_permutation(send_slots)                                        # [M]
-        x_recv = self._exchange(self._rows(z, send_slots, send_inv, K), send, recv, M)    # [M, L] (s, e, p)
+        x_recv = self._exchange(self._rows(z, send_slots, send_inv, K), splits, 0, 1, M)  # [M, L] (s, e, p)
 
         # destination side: bank index of every received row
         n_in = n[:, :, r].reshape(-1)                                                     # [R·E] blocks (s, e)
         e_recv = torch.searchsorted(n_in.cumsum(0), ar, right=True) % E                   # [M] expert of each row
-        home = torch.arange(E, device=dev) // El                                          # [E]
-        rep = (alloc > 0) & (home[:, None] != torch.arange(R, device=dev)[None])         # [E, R] replicas
         rep_rank = rep[:, r].long().cumsum(0) - 1                                         # [E] slot among mine
         bank = torch.where(home.index_select(0, e_recv) == r, e_recv - r * El,
                            El + rep_rank.index_select(0, e_recv))                         # [M] in [0, 2·El)
@@ -165,10 +174,10 @@ class StaticMoonEPDispatcher:
         perm_inv = inverse_permutation(perm)                                              # [M]
         bank_counts = expert_load(bank, 2 * El)                                           # [2·El] rows a group
 
-        weights = self._replicas(experts, rep)                                            # [2·El, …] ×3
+        weights = self._replicas(experts, rep, splits)                                    # [2·El, …] ×3
         y = experts(self._rows(x_recv, perm, perm_inv, 1), bank_counts, weights)          # [M, L] by bank
         y_recv = self._rows(y, perm_inv, perm, 1)                                         # [M, L] (s, e, p) order
-        y_back = self._exchange(y_recv, recv, send, M)                                    # [M, L] (d, e, p) order
+        y_back = self._exchange(y_recv, splits, 1, 0, M)                                  # [M, L] (d, e, p) order
         self.last_alloc, self.last_slots_per_rank = alloc, n.sum((0, 1))                  # [E, R], [R]
         plan = DispatchPlan(send_slots, counts, S, K, inverse=send_inv)
         return self._local.combine(y_back, plan, topk_weight)                            # [S, L] fp32
@@ -185,10 +194,17 @@ class StaticMoonEPDispatcher:
         return all_gather(counts, self.group)
 
     @torch.compiler.disable  # the exchange may read its split sizes on the host (exchange_reference): eager
-    def _exchange(self, x: Tensor, send: Tensor, recv: Tensor, rows_out: int) -> Tensor:
-        return self.exchange(x, send, recv, rows_out, self.group)
+    def _exchange(self, x: Tensor, splits: Tensor, i_send: int, i_recv: int, rows_out: int) -> Tensor:
+        """The exchange of ``x`` with rows ``splits[i_send]`` out and ``splits[i_recv]`` in (``splits [4, R]``: rows
+        out, rows in, weight rows out, weight rows in). For an exchange with ``host_splits`` the first call of a
+        forward copies ``splits`` to the host and the next ones reuse it (one device-to-host read a forward)."""
+        if getattr(self.exchange, "host_splits", False):
+            if self._host is None or self._host[0] is not splits:
+                self._host, self.host_reads = (splits, splits.cpu()), self.host_reads + 1
+            splits = self._host[1]
+        return self.exchange(x, splits[i_send], splits[i_recv], rows_out, self.group)
 
-    def _replicas(self, experts: RoutedExperts, rep: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def _replicas(self, experts: RoutedExperts, rep: Tensor, splits: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """(w1, w3, w2) of the bank: the El home experts, then this rank's replicas fetched from their donor in
         ascending global id, zero-padded to El. A home rank sends its lent (expert, receiver) pairs receiver-major
         in a fixed buffer of El + R − 2 rows (padding rows: expert 0, not sent); the backward returns each
@@ -199,9 +215,7 @@ class StaticMoonEPDispatcher:
         cap_out = min(El + R - 2, R * El)
         pick = (~lent).to(torch.int8).argsort(stable=True)[:cap_out] % El                 # [cap_out] lent first
         rows = torch.cat([w.index_select(0, pick).flatten(1) for w in own], 1)            # [cap_out, 3·I·L]
-        w_send = rep[r * El:(r + 1) * El].sum(0)                                          # [R] pairs to each rank
-        w_recv = rep[:, r].view(R, El).sum(1)                                             # [R] from each home
-        got = self._exchange(rows, w_send, w_recv, El)                                    # [El, 3·I·L]
+        got = self._exchange(rows, splits, 2, 3, El)                                      # [El, 3·I·L]
         parts = got.split([w[0].numel() for w in own], 1)
         return tuple(torch.cat([w, p.view(El, *w.shape[1:])]) for w, p in zip(own, parts))
 
