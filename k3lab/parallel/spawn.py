@@ -37,6 +37,9 @@ def _entry(rank: int, world: int, init: str, out_dir: str, fn, args, environ: di
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    # every rank's side of gloo's full mesh connected before any rank can finish: a rank whose fn ran no collective
+    # could otherwise exit while a slower one was still connecting to it ("Connection closed by peer", seen in CI)
+    dist.barrier()
     try:
         result = fn(rank, world, *args)
     finally:
