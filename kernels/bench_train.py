@@ -91,6 +91,7 @@ profile: ``kernels/TRAIN_RESULTS.md``, last section):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import math
@@ -344,7 +345,8 @@ def run_config(spec: Spec, args) -> dict:
                     f"fake rank of {spec.option('ranks', '8')}" + (", reshard=false" if spec.option("reshard", "true")
                                                                    == "false" else "")
                     + (f", EP = {spec.option('ep', '1')}, {spec.option('ep_plan', 'host')}-planned MoonEP"
-                       if spec.option("ep", "1") != "1" else ""))
+                       if spec.option("ep", "1") != "1" else "")
+                    + (", stand-in exchange" if uses_stand_in(spec, cfg) else ""))
                 del model
                 history, peak = run_via(via, spec, cfg, device)
         except TrainingDiverged as err:
@@ -419,9 +421,21 @@ def fit_as_fake_rank(spec: Spec, cfg, train_cfg, device) -> list[dict]:
     ranks = int(spec.option("ranks", "8"))
     parallel = ParallelOptions(reshard_after_forward=spec.option("reshard", "true") == "true",
                                ep=int(spec.option("ep", "1")), ep_plan=spec.option("ep_plan", "host"))
-    with ps.fake_rank(ranks, 0, device):
+    exchange = contextlib.nullcontext()
+    if uses_stand_in(spec, train_cfg):
+        from k3lab.parallel.expert_static import default_exchange
+
+        exchange = default_exchange(ps.fixed_size_exchange)
+    with ps.fake_rank(ranks, 0, device), exchange:
         return fit(lambda: K3ForCausalLM(cfg), batches_for("random", cfg, ranks * spec.B, spec.T, 0), train_cfg,
                    parallel=parallel).history
+
+
+def uses_stand_in(spec: Spec, train_cfg) -> bool:
+    """Whether a fake EP rank exchanges through ``kernels/predict_scaling.py``'s capturable stand-in (the fixed
+    buffers' bytes each way, routing nothing) rather than ``exchange_reference``: with ``ep_plan=device`` and
+    ``cuda_graph`` on, which the reference's host read forbids (``k3lab.train.ep_cp_refusal``)."""
+    return spec.option("ep", "1") != "1" and spec.option("ep_plan", "host") == "device" and train_cfg.cuda_graph
 
 
 def via_comparison(rows: list[dict]) -> list[str]:

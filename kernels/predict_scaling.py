@@ -517,6 +517,9 @@ def fixed_size_exchange(x, send, recv, rows_out, group):
     return _FixedSizeExchange.apply(x, rows_out, group)
 
 
+fixed_size_exchange.capturable = True  # no host read: a CUDA graph records it (k3lab.parallel.expert_static.capturable)
+
+
 @contextlib.contextmanager
 def fake_process_group(world: int, rank: int, device: torch.device):
     """An initialised fake default group of ``world`` ranks in which this process is ``rank``; destroyed on

@@ -5,6 +5,7 @@ import math
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -174,6 +175,10 @@ def test_fit_as_a_fake_expert_parallel_rank_with_either_plan():
         assert row["via"] == f"fake rank of 2, EP = 2, {plan}-planned MoonEP"
     host, device = (r["losses"] for r in rows)
     assert len(host) == 4 and all(abs(a - b) <= 1e-5 * abs(a) for a, b in zip(host, device)), (host, device)
+    graphed, eager = SimpleNamespace(cuda_graph=True), SimpleNamespace(cuda_graph=False)  # the stand-in: graphs only
+    spec = bench.parse_config("tiny-2x32@via=fake-rank,ranks=2,ep=2,ep_plan=device")
+    assert bench.uses_stand_in(spec, graphed) and not bench.uses_stand_in(spec, eager)
+    assert not bench.uses_stand_in(bench.parse_config("tiny-2x32@via=fake-rank,ranks=2,ep=2"), graphed)
 
 
 def test_anchor_config_is_pure_kda_dense():

@@ -128,6 +128,30 @@ def test_graph_refused_with_expert_parallel_and_on_a_cpu_with_the_reason(two_ran
     assert all("TrainConfig.cuda_graph=True needs a CUDA device" in e for e in errors), errors
 
 
+def test_graphs_with_expert_parallel_need_a_device_plan_over_a_capturable_exchange():
+    """``ep_cp_refusal`` (what ``fit`` checks before any group is made): CUDA graphs with EP only where MoonEP is
+    planned on the device and its exchange reads nothing on the host: today only inside ``default_exchange`` with the
+    timing harness's stand-in. CP, the host plan, and the reference exchange are refused naming the field and why."""
+    from k3lab.parallel.expert_static import capturable, default_exchange, exchange_reference
+    from k3lab.parallel.parallelize import ParallelOptions
+    from k3lab.train import ep_cp_refusal
+
+    def stand_in(x, send, recv, rows_out, group):  # noqa: ARG001 — a capturable exchange's signature
+        return x
+
+    stand_in.capturable = True
+    graphed = _cfg(cuda_graph=True)
+    device_plan = ParallelOptions(ep=2, ep_plan="device")
+    assert not capturable(exchange_reference) and capturable(stand_in)
+    assert "TrainConfig.cuda_graph=True: with ep=2, cp=1" in ep_cp_refusal(graphed, device_plan, 2)
+    with default_exchange(stand_in):
+        assert ep_cp_refusal(graphed, device_plan, 2) is None
+        for other in (ParallelOptions(ep=2), ParallelOptions(ep=2, cp=2, ep_plan="device")):
+            assert "TrainConfig.cuda_graph=True" in ep_cp_refusal(graphed, other, 4)
+    assert "TrainConfig.cuda_graph=True" in ep_cp_refusal(graphed, device_plan, 2)  # the block's end restores it
+    assert ep_cp_refusal(_cfg(), device_plan, 2) is None and ep_cp_refusal(graphed, ParallelOptions(), 2) is None
+
+
 # ---------------------------------------------------------------------------------------------
 # bf16 moments and split masters on FSDP2's local shards (k3lab.train.shard_masters)
 # ---------------------------------------------------------------------------------------------

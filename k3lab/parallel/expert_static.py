@@ -35,7 +35,8 @@ rank's step).
 """
 from __future__ import annotations
 
-from typing import Callable
+import contextlib
+from typing import Callable, Iterator
 
 import torch
 from torch import Tensor, nn
@@ -49,7 +50,8 @@ from k3lab.parallel.expert import check_divisible, check_home_slice
 # send[<d] before them) go to rank d; the result holds recv[s] rows from each rank s in rank order, then zero rows
 # up to rows_out. send/recv are int64 tensors: on the host for an exchange whose ``host_splits`` attribute is True (the
 # dispatcher reads all of a forward's split sizes in one device-to-host copy), else on the device. The backward is
-# the reverse exchange.
+# the reverse exchange. An exchange whose ``capturable`` attribute is True reads nothing on the host (a CUDA graph
+# can record it).
 Exchange = Callable[[Tensor, Tensor, Tensor, int, "ProcessGroup | None"], Tensor]
 
 
@@ -63,6 +65,32 @@ def exchange_reference(x: Tensor, send: Tensor, recv: Tensor, rows_out: int, gro
 
 
 exchange_reference.host_splits = True  # its split sizes come to the host anyway: one read a forward, not three
+exchange_reference.capturable = False
+
+_DEFAULT_EXCHANGE: list[Exchange] = [exchange_reference]  # a stack: default_exchange() pushes and pops
+
+
+def current_exchange() -> Exchange:
+    """The exchange :func:`apply_static_moonep` uses when it is given none: :func:`exchange_reference`, or what an
+    enclosing :func:`default_exchange` set."""
+    return _DEFAULT_EXCHANGE[-1]
+
+
+@contextlib.contextmanager
+def default_exchange(exchange: Exchange) -> Iterator[None]:
+    """Within the block, models laid out with ``ep_plan="device"`` (``fit``, ``parallelize``) use ``exchange``: how a
+    timing harness gives ``fit`` a capturable stand-in (``kernels/predict_scaling.py``'s ``fixed_size_exchange``),
+    and where a device-initiated exchange would plug in."""
+    _DEFAULT_EXCHANGE.append(exchange)
+    try:
+        yield
+    finally:
+        _DEFAULT_EXCHANGE.pop()
+
+
+def capturable(exchange: Exchange) -> bool:
+    """Whether ``exchange`` reads nothing on the host (its ``capturable`` attribute), so a CUDA graph can record it."""
+    return bool(getattr(exchange, "capturable", False))
 
 
 def plan_moonep_torch(tpe: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -221,10 +249,12 @@ class StaticMoonEPDispatcher:
 
 
 def apply_static_moonep(model_or_moe: nn.Module, ep_group: ProcessGroup | None,
-                        exchange: Exchange = exchange_reference) -> nn.Module:
+                        exchange: Exchange | None = None) -> nn.Module:
     """Swap every expert-parallel :class:`LatentMoE`'s dispatcher (after
     :func:`k3lab.parallel.expert.apply_expert_parallel` with ``kind="moonep"``) for a
-    :class:`StaticMoonEPDispatcher` over ``ep_group`` with ``exchange``. Returns ``model_or_moe``."""
+    :class:`StaticMoonEPDispatcher` over ``ep_group`` with ``exchange`` (None: :func:`current_exchange`). Returns
+    ``model_or_moe``."""
+    exchange = current_exchange() if exchange is None else exchange
     for moe in [m for m in model_or_moe.modules() if isinstance(m, LatentMoE)]:
         if getattr(moe.dispatcher, "kind", None) != "moonep":
             raise ValueError("apply_static_moonep: apply_expert_parallel(..., kind='moonep') first")
