@@ -231,3 +231,30 @@ def test_the_compiled_static_dispatcher_on_cuda_equals_eager():
     report = "; ".join(f"backend={b}, impl={i}, static_capacity={s}: " + ", ".join(f"{k} {v:.1e}" for k, v in e.items())
                        for (b, i, s), e in errs.items())
     assert all(max(e.values()) <= 1e-4 for e in errs.values()), report
+
+
+def test_default_exchange_is_the_reference_outside_its_block():
+    """``apply_static_moonep`` without an exchange takes :func:`current_exchange`: the reference, or inside
+    ``default_exchange(fn)`` (how a timing harness gives ``fit`` its capturable stand-in) ``fn``, nested blocks
+    restoring the one before."""
+    import torch.distributed as dist
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401 — registers the "fake" backend
+
+    from k3lab.config import ModelConfig
+    from k3lab.moe.latent import LatentMoE
+    from k3lab.parallel.expert import apply_expert_parallel
+    from k3lab.parallel.expert_static import apply_static_moonep, current_exchange, default_exchange
+
+    cfg = ModelConfig.preset("tiny").replace(n_routed_experts=8, num_experts_per_tok=2)
+    built = lambda: apply_static_moonep(apply_expert_parallel(LatentMoE(cfg), None), None).dispatcher.exchange  # noqa
+    dist.init_process_group("fake", rank=0, world_size=2, store=dist.HashStore())
+    try:
+        assert built() is exchange_reference
+        with default_exchange(_own_rows):
+            assert built() is _own_rows
+            with default_exchange(_own_rows_host):
+                assert built() is _own_rows_host
+            assert built() is _own_rows
+        assert built() is exchange_reference and current_exchange() is exchange_reference
+    finally:
+        dist.destroy_process_group()
