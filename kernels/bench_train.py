@@ -47,7 +47,11 @@ and peak memory and the largest relative difference of their per-step losses.
 sharded run (FSDP alone, or with MoonEP over ``ep`` of the ranks; 8 ranks by
 default) in PyTorch's fake process group, every collective free, the rank holding the config's B × T tokens: the
 sharded step as ``fit`` runs it (masters, graphs and all), timed on one GPU, against the one-GPU ``@via=fit`` row
-of the same call. ``kernels/predict_scaling.py`` adds the communication model; this row is the rank's compute.
+of the same call. This row is the rank's compute; its second step runs with ``kernels/predict_scaling.py``'s counter
+on, and that script's step model (:func:`predicted_step`: the counted bytes over 8 H200s on NVLink, FSDP's hidden
+under compute but its first all-gather and last reduce-scatter, the EP all-to-alls blocking) gives the line under
+the table: the rank's predicted tokens/s per GPU against ``fit`` on one GPU. With ``ep_plan=device`` and
+``cuda_graph=on`` the EP exchanges are that script's capturable stand-in (:func:`uses_stand_in`).
 
 Defaults: ``small-16x1024 small-8x4096 kda-anchor-8x4096 fla-kda-anchor-8x4096``.
 
@@ -339,7 +343,7 @@ def run_config(spec: Spec, args) -> dict:
         t0 = time.perf_counter()
         try:
             if via is None:
-                history, peak = fit(model, batches, cfg).history, None
+                history, peak, counted = fit(model, batches, cfg).history, None, None
             else:
                 row["via"] = via if via != "fake-rank" else (
                     f"fake rank of {spec.option('ranks', '8')}" + (", reshard=false" if spec.option("reshard", "true")
@@ -348,7 +352,7 @@ def run_config(spec: Spec, args) -> dict:
                        if spec.option("ep", "1") != "1" else "")
                     + (", stand-in exchange" if uses_stand_in(spec, cfg) else ""))
                 del model
-                history, peak = run_via(via, spec, cfg, device)
+                history, peak, counted = run_via(via, spec, cfg, device)
         except TrainingDiverged as err:
             return dict(row, status=f"diverged: {err}", peak_mem_gib=_peak_memory_gib(device))
         wall = time.perf_counter() - t0
@@ -360,6 +364,7 @@ def run_config(spec: Spec, args) -> dict:
                    mfu=6 * active * tokens_per_s / args.peak_flops,
                    peak_mem_gib=peak if peak is not None else _peak_memory_gib(device), losses=[r["loss"] for r in history],
                    grad_norms=[r.get("grad_norm") for r in history],
+                   **({} if not counted else dict(counted=counted, **predicted_step(1e3 * dt, counted))),
                    first_step_s=elapsed[0], loss_first=history[0]["loss"], loss=history[-1]["loss"],
                    steps_timed=len(times), wall_s=wall)
     except Exception as err:  # noqa: BLE001 — a row per config, whatever happened
@@ -372,9 +377,10 @@ def run_config(spec: Spec, args) -> dict:
     return row
 
 
-def run_via(via: str, spec: Spec, train_cfg, device) -> tuple[list[dict], float | None]:
-    """``@via=fit|cli``: (history, peak GiB or None) of the one loop reached in the process or by the command line,
-    on the model and batches the command line builds (seed 0 on the CPU; ``batches_for("random", ...)``)."""
+def run_via(via: str, spec: Spec, train_cfg, device) -> tuple[list[dict], float | None, dict | None]:
+    """``@via=fit|cli|fake-rank``: (history, peak GiB or None, a fake rank's counted collectives or None) of the one
+    loop reached in the process or by the command line, on the model and batches the command line builds (seed 0 on
+    the CPU; ``batches_for("random", ...)``)."""
     from k3lab.cli import flags_for
     from k3lab.model import K3ForCausalLM
     from k3lab.parallel.run import batches_for
@@ -384,9 +390,11 @@ def run_via(via: str, spec: Spec, train_cfg, device) -> tuple[list[dict], float 
         raise ValueError(f"config {spec.name!r}: via= runs the command line's presets only (small, tiny)")
     cfg = k3lab_config(spec.model)
     if via == "fit":
-        return fit(lambda: K3ForCausalLM(cfg), batches_for("random", cfg, spec.B, spec.T, 0), train_cfg).history, None
+        history = fit(lambda: K3ForCausalLM(cfg), batches_for("random", cfg, spec.B, spec.T, 0), train_cfg).history
+        return history, None, None
     if via == "fake-rank":
-        return fit_as_fake_rank(spec, cfg, train_cfg, device), None
+        history, counted = fit_as_fake_rank(spec, cfg, train_cfg, device)
+        return history, None, counted
     with tempfile.TemporaryDirectory(prefix="bench-cli-") as tmp:
         out = os.path.join(tmp, "metrics.json")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
@@ -399,10 +407,10 @@ def run_via(via: str, spec: Spec, train_cfg, device) -> tuple[list[dict], float 
             raise RuntimeError(f"the command line exited with {run.returncode}: {run.stderr.strip().splitlines()[-1:]}")
         with open(out) as f:
             summary = json.load(f)
-    return summary["history"], summary.get("peak_mem_gib")
+    return summary["history"], summary.get("peak_mem_gib"), None
 
 
-def fit_as_fake_rank(spec: Spec, cfg, train_cfg, device) -> list[dict]:
+def fit_as_fake_rank(spec: Spec, cfg, train_cfg, device) -> tuple[list[dict], dict]:
     """``@via=fake-rank``: ``fit`` as rank 0 of ``ranks`` (default 8) in PyTorch's fake process group, FSDP alone or
     with ``ep=N`` (MoonEP over N of the ranks, ``ep_plan=host|device``: ``ParallelOptions.ep_plan``; every rank
     routes like this one, so the plan's split sizes agree) (``reshard=false``:
@@ -415,9 +423,7 @@ def fit_as_fake_rank(spec: Spec, cfg, train_cfg, device) -> list[dict]:
     from k3lab.parallel.run import batches_for
     from k3lab.train import fit
 
-    from k3lab.testing import load_script
-
-    ps = sys.modules.get("predict_scaling") or load_script(os.path.join(HERE, "predict_scaling.py"), "predict_scaling")
+    ps = sys.modules.get("predict_scaling") or load_script_here("predict_scaling.py")
     ranks = int(spec.option("ranks", "8"))
     parallel = ParallelOptions(reshard_after_forward=spec.option("reshard", "true") == "true",
                                ep=int(spec.option("ep", "1")), ep_plan=spec.option("ep_plan", "host"))
@@ -426,9 +432,33 @@ def fit_as_fake_rank(spec: Spec, cfg, train_cfg, device) -> list[dict]:
         from k3lab.parallel.expert_static import default_exchange
 
         exchange = default_exchange(ps.fixed_size_exchange)
-    with ps.fake_rank(ranks, 0, device), exchange:
-        return fit(lambda: K3ForCausalLM(cfg), batches_for("random", cfg, ranks * spec.B, spec.T, 0), train_cfg,
-                   parallel=parallel).history
+    counted = {}
+
+    def count_step_two(step, _row):  # the second step runs eager at every setting (a graph captures the third)
+        counter.counting = step == 1
+        if step == 2:
+            counted.update(counter.summary())
+
+    with ps.fake_rank(ranks, 0, device) as counter, exchange:
+        history = fit(lambda: K3ForCausalLM(cfg), batches_for("random", cfg, ranks * spec.B, spec.T, 0), train_cfg,
+                      parallel=parallel, on_step=count_step_two).history
+    return history, counted
+
+
+def predicted_step(compute_ms: float, counted: dict, link: str = "nvlink8") -> dict:
+    """``kernels/predict_scaling.py``'s step model for a fake rank: its measured ms and the bytes its collectives moved
+    in one counted step -> ``{comm_ms, predicted_ms}`` (predicted: FSDP-realistic, the EP all-to-alls and small
+    all-reduces blocking) under ``link``."""
+    ps = sys.modules.get("predict_scaling") or load_script_here("predict_scaling.py")
+    pred = ps.predict_step(compute_ms / 1e3, counted.get("comm", []), ps.LINKS[link], counted.get("fsdp_edges", []))
+    return dict(comm_ms=1e3 * pred["comm"], predicted_ms=1e3 * pred["realistic"], link=link)
+
+
+def load_script_here(name: str):
+    """A script of this folder as a module (``kernels/`` is not a package)."""
+    from k3lab.testing import load_script
+
+    return load_script(os.path.join(HERE, name), name.removesuffix(".py"))
 
 
 def uses_stand_in(spec: Spec, train_cfg) -> bool:
@@ -457,6 +487,12 @@ def via_comparison(rows: list[dict]) -> list[str]:
             lines.append(f"{base}: fit as a {rank_row['via']} ÷ fit on one GPU: tokens/s per GPU "
                          f"{rank_row['tokens_per_s'] / fit_row['tokens_per_s']:.3f}× (the rank's compute; its "
                          "collectives are free in the fake group: kernels/predict_scaling.py adds them)")
+            if "predicted_ms" in rank_row:
+                per_gpu = rank_row["tokens_per_step"] / (rank_row["predicted_ms"] / 1e3)
+                lines.append(f"{base}: the same rank with its counted collectives on {rank_row['link']} "
+                             f"(kernels/predict_scaling.py's step model: {rank_row['comm_ms']:.1f} ms of them, "
+                             f"{rank_row['predicted_ms']:.1f} ms predicted): {per_gpu:,.0f} tokens/s per GPU, "
+                             f"{per_gpu / fit_row['tokens_per_s']:.3f}× fit on one GPU")
     return lines
 
 

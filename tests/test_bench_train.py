@@ -151,10 +151,16 @@ def test_fit_as_a_fake_rank():
     assert row["via"] == "fake rank of 2, reshard=false" and row["tokens_per_step"] == 64 and row["steps_timed"] == 2
     assert 0.4 * math.log(4096) < row["loss_first"] < 0.6 * math.log(4096) and math.isfinite(row["loss"])
     one = dict(config="tiny-2x32@via=fit", via="fit", tokens_per_s=200.0, losses=[8.3], peak_mem_gib=1.0)
+    kinds = {r["kind"]: r["bytes"] for r in row["counted"]["comm"] if r["source"] == "fsdp"}
+    assert kinds["all_gather"] > 0 and kinds["reduce_scatter"] > 0 and row["predicted_ms"] > row["ms_per_step"]
+    per_gpu = 64 / (row["predicted_ms"] / 1e3)
     assert bench.via_comparison([one, row]) == [
         f"tiny-2x32: fit as a fake rank of 2, reshard=false ÷ fit on one GPU: tokens/s per GPU "
         f"{row['tokens_per_s'] / 200:.3f}× (the rank's compute; its collectives are free in the fake group: "
-        "kernels/predict_scaling.py adds them)"]
+        "kernels/predict_scaling.py adds them)",
+        f"tiny-2x32: the same rank with its counted collectives on nvlink8 (kernels/predict_scaling.py's step model: "
+        f"{row['comm_ms']:.1f} ms of them, {row['predicted_ms']:.1f} ms predicted): {per_gpu:,.0f} tokens/s per GPU, "
+        f"{per_gpu / 200:.3f}× fit on one GPU"]
     for bad in ("tiny-2x32@ranks=2", "tiny-2x32@via=fit,reshard=false", "tiny-2x32@ep=2"):
         with pytest.raises(ValueError, match="options ranks=, reshard=, ep=, ep_plan= need via=fake-rank"):
             bench.parse_config(bad)
@@ -175,6 +181,8 @@ def test_fit_as_a_fake_expert_parallel_rank_with_either_plan():
         assert row["via"] == f"fake rank of 2, EP = 2, {plan}-planned MoonEP"
     host, device = (r["losses"] for r in rows)
     assert len(host) == 4 and all(abs(a - b) <= 1e-5 * abs(a) for a, b in zip(host, device)), (host, device)
+    a2a = [sum(r["bytes"] for r in row["counted"]["comm"] if r["kind"] == "all_to_all") for row in rows]
+    assert a2a[0] == a2a[1] > 0  # the EP exchanges counted (blocking in the step model), the same bytes either plan
     graphed, eager = SimpleNamespace(cuda_graph=True), SimpleNamespace(cuda_graph=False)  # the stand-in: graphs only
     spec = bench.parse_config("tiny-2x32@via=fake-rank,ranks=2,ep=2,ep_plan=device")
     assert bench.uses_stand_in(spec, graphed) and not bench.uses_stand_in(spec, eager)
