@@ -417,7 +417,8 @@ def fit_as_fake_rank(spec: Spec, cfg, train_cfg, device) -> tuple[list[dict], di
     ``ParallelOptions.reshard_after_forward=False``), on a global batch of ranks·B rows, so the
     rank holds B × T tokens, as the one-GPU row does. Every collective is free (the fake group returns this rank's
     data; ``kernels/predict_scaling.py``'s wrappers fill what an older torch leaves empty), so the row times the
-    rank's own step: what the graphed, sharded ``fit`` costs a GPU before communication. Its history, as ``fit``'s."""
+    rank's own step: what the graphed, sharded ``fit`` costs a GPU before communication. Returns ``fit``'s history and
+    the second step's counted collectives (``CommCounter.summary()``: ``comm`` and ``fsdp_edges``)."""
     from k3lab.model import K3ForCausalLM
     from k3lab.parallel.parallelize import ParallelOptions
     from k3lab.parallel.run import batches_for
