@@ -230,13 +230,18 @@ def glu_down(gate: Tensor, up: Tensor, weight: Tensor, offs: Tensor | None = Non
         # reads of it: h (the elementwise chain). The matmul stays outside the region: were it inside, a later op
         # that saves the output (the MoE combine's router-weight gradient reads the expert outputs) would make the
         # partitioner recompute the matmul in backward too. Same math, h fused into the kernels.
-        h = checkpoint(_glu_act_traced, gate, up, act, betas, use_reentrant=False, preserve_rng_state=False)
+        h = checkpoint(_act_traced, gate, up, act, betas, use_reentrant=False, preserve_rng_state=False)
         return _down(h, weight.to(h.dtype), offs)
     return GLUDownFunction.apply(gate, up, weight, offs, act, betas)
 
 
-def _glu_act_traced(gate: Tensor, up: Tensor, act: str, betas: tuple[float, ...]) -> Tensor:
-    """``act(gate, up)`` as plain ops (under torch.compile: inductor fuses the activation and derives its backward)."""
+def _act_traced(gate: Tensor, up: Tensor, act: str, betas: tuple[float, ...]) -> Tensor:
+    """``act(gate, up)`` as plain ops, for torch.compile: inductor fuses the activation and derives its backward,
+    and the partitioner chooses what to save (the autograd Functions' reason to exist, saving gate and up only, is
+    its job there). The Functions themselves are not traced: torch 2.11's dynamo traced :class:`SiTUGLUFunction`
+    into wrong gate and up gradients (the output right; the experts' w1 and w3 gradients 100% off, with the
+    backends "eager", "aot_eager" and "inductor", CPU and CUDA; checked on 2026-12-07), torch 2.13 traces it
+    right. ``tests/test_situ_fused.py`` compares the compiled activations' gradients with eager's."""
     return _ACT_PASSES[act][0](gate, up, *betas)[0]
 
 
@@ -250,15 +255,21 @@ def _check_pair(gate: Tensor, up: Tensor) -> None:
 
 def situ_glu(gate: Tensor, up: Tensor, beta: float = 4.0, linear_beta: float = 25.0) -> Tensor:
     """[β1·tanh(gate/β1)·σ(gate)] ⊙ [β2·tanh(up/β2)] in fp32, cast back. gate, up: [..., I] -> [..., I].
-    Saves only gate and up for backward (:class:`SiTUGLUFunction`); equal to :func:`situ_glu_reference`."""
+    Saves only gate and up for backward (:class:`SiTUGLUFunction`); equal to :func:`situ_glu_reference`.
+    Under ``torch.compile``: the plain ops (:func:`_act_traced`)."""
     _check_pair(gate, up)
+    if torch.compiler.is_compiling():
+        return _act_traced(gate, up, "situ", (float(beta), float(linear_beta)))
     return SiTUGLUFunction.apply(gate, up, float(beta), float(linear_beta))
 
 
 def swiglu(gate: Tensor, up: Tensor) -> Tensor:
     """silu(gate) ⊙ up in fp32, cast back. gate, up: [..., I] -> [..., I].
-    Saves only gate and up for backward (:class:`SwiGLUFunction`); equal to :func:`swiglu_reference`."""
+    Saves only gate and up for backward (:class:`SwiGLUFunction`); equal to :func:`swiglu_reference`.
+    Under ``torch.compile``: the plain ops (:func:`_act_traced`)."""
     _check_pair(gate, up)
+    if torch.compiler.is_compiling():
+        return _act_traced(gate, up, "swiglu", ())
     return SwiGLUFunction.apply(gate, up)
 
 
