@@ -587,6 +587,23 @@ def resolve_profile(cfg: TrainConfig, device_type: str, world_size: int = 1, ep:
     return dataclasses.replace(cfg, **chosen), [f"{k}={v!r}" for k, v in chosen.items()]
 
 
+def resolve_ep_plan(cfg: TrainConfig, parallel, device_type: str, world_size: int):
+    """``parallel`` with the fast profile's MoonEP plan, and the ``field=value`` setting it made (or none).
+
+    ``"fast"`` on CUDA, with expert parallelism above 1, MoonEP and compiled sublayers, plans on the device
+    (``ep_plan="device"``, :mod:`k3lab.parallel.expert_static`) where ``parallel`` leaves the plan at its default
+    ("host"): one H100, 2026-12-07, ``fit`` as a compiled fake rank of 8 with EP = 8 ran 311.2 ms a step planned on
+    the device against 574.0 ms planned on the host, in one invocation (``kernels/TRAIN_RESULTS.md``). Equal to one
+    process at 4 and 8 gloo ranks (``tests/test_moonep_property.py``). Otherwise ``parallel`` is returned as given."""
+    if (cfg.profile != "fast" or device_type != "cuda" or world_size <= 1 or parallel is None or parallel.ep <= 1
+            or parallel.ep_kind != "moonep" or cfg.compile == "none"):
+        return parallel, []
+    default = {f.name: f.default for f in dataclasses.fields(type(parallel))}["ep_plan"]
+    if parallel.ep_plan != default or default == "device":
+        return parallel, []
+    return dataclasses.replace(parallel, ep_plan="device"), ["ep_plan='device'"]
+
+
 def fit(model, train_batches, cfg: TrainConfig, val_batches=None, resume_from: str | os.PathLike | None = None,
         stop_at: int | None = None, *, parallel=None, on_step=None, data: str | None = None) -> TrainResult:
     """Train for ``cfg.steps`` optimizer steps, in one process or as one rank of a parallel run; see the
@@ -631,6 +648,8 @@ def fit(model, train_batches, cfg: TrainConfig, val_batches=None, resume_from: s
         device_type = resolve_device(cfg.device).type
         ep, cp = (parallel.ep, parallel.cp) if world > 1 else (1, 1)
         cfg, chosen = resolve_profile(cfg, device_type, world, ep, cp)
+        parallel, planned = resolve_ep_plan(cfg, parallel, device_type, world)
+        chosen = chosen + planned
         if world == 1 or torch.distributed.get_rank() == 0:
             print(f"profile {cfg.profile}: " + (", ".join(chosen) if chosen else
                   f"nothing changed (on {device_type} the reference settings are the fastest measured)"

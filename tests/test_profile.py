@@ -9,7 +9,8 @@ from k3lab.cli import add_dataclass_flags
 from k3lab.config import ModelConfig
 from k3lab.data import batch_iterator
 from k3lab.model import K3ForCausalLM
-from k3lab.train import FAST_CUDA, PROFILES, TrainConfig, fit, resolve_profile
+from k3lab.parallel.parallelize import ParallelOptions
+from k3lab.train import FAST_CUDA, PROFILES, TrainConfig, fit, resolve_ep_plan, resolve_profile
 
 
 def test_fast_on_cuda_fills_the_defaults_with_the_measured_best():
@@ -31,6 +32,20 @@ def test_only_fields_left_at_their_defaults_are_filled_and_impossible_settings_a
         split, chosen = resolve_profile(TrainConfig(profile="fast"), "cuda", 8, ep, cp)
         assert split.cuda_graph is False and split.compile == "sublayer" and not any("cuda_graph" in c for c in chosen)
         TrainConfig(**{f.name: getattr(split, f.name) for f in dataclasses.fields(TrainConfig)})  # a valid config
+
+
+def test_fast_plans_moonep_on_the_device_only_where_that_was_measured_faster():
+    """Fast, CUDA, EP above 1 with MoonEP, compiled, the plan left at its default: planned on the device. Every other
+    case keeps what it was given (the reference profile, a CPU, one rank, no EP, plain EP, eager, a plan set)."""
+    fast = resolve_profile(TrainConfig(profile="fast"), "cuda", 8, 8)[0]
+    assert resolve_ep_plan(fast, ParallelOptions(ep=8), "cuda", 8) == (ParallelOptions(ep=8, ep_plan="device"),
+                                                                      ["ep_plan='device'"])
+    kept = [(fast, ParallelOptions(ep=8), "cpu", 8), (fast, ParallelOptions(ep=8), "cuda", 1),
+            (fast, ParallelOptions(), "cuda", 8), (fast, ParallelOptions(ep=8, ep_kind="ep"), "cuda", 8),
+            (dataclasses.replace(fast, compile="none"), ParallelOptions(ep=8), "cuda", 8),
+            (TrainConfig(compile="sublayer"), ParallelOptions(ep=8), "cuda", 8), (fast, None, "cuda", 8)]
+    for cfg, parallel, device, world in kept:
+        assert resolve_ep_plan(cfg, parallel, device, world) == (parallel, []), (cfg.profile, parallel, device, world)
 
 
 @pytest.mark.parametrize("device", ["cpu"])
