@@ -54,13 +54,10 @@ def _piecewise(fn, tensors: tuple[Tensor, ...], out_dtypes: tuple[torch.dtype | 
     recompute stay ~128 MiB each instead of the full [S, I]. On CUDA an elementwise kernel computes
     every element the same way wherever it lies, so the pieces are bit-equal to one call; on CPU
     (vectorised body vs scalar tail per thread range) one call is kept, for bit equality with the
-    autograd reference. Broadcast shapes: one call. Under ``torch.compile`` one call as well: inductor fuses the
-chain into one kernel (no fp32 temporaries to bound), and pieces written into a preallocated buffer
-would stop its partitioner from recomputing the output in backward instead of saving it."""
+    autograd reference. Broadcast shapes: one call. (Under ``torch.compile`` the activations do not come here:
+    they are plain ops, :func:`_act_traced`.)"""
     first = tensors[0]
     n = first.numel()
-    if torch.compiler.is_compiling():  # inductor fuses the chain into one kernel: no fp32 temporaries to bound
-        return fn(*tensors)
     if first.device.type not in PIECEWISE_DEVICES or n <= CUDA_CHUNK_ELEMENTS or any(t.shape != first.shape for t in tensors):
         return fn(*tensors)
     flat = [t.reshape(-1) for t in tensors]
