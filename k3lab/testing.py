@@ -1,5 +1,5 @@
-"""Helpers shared by tests and notebooks: one definition of "relative error", a saved-for-backward counter, and
-the run of a kernel test file under Triton's CPU interpreter."""
+"""Helpers shared by tests and notebooks: one definition of "relative error", a saved-for-backward counter, a module
+run eager and compiled, and the run of a kernel test file under Triton's CPU interpreter."""
 
 import os
 import subprocess
@@ -31,6 +31,25 @@ def assert_close(name: str, ref: torch.Tensor, got: torch.Tensor, tol: float) ->
     err = rel_err(got, ref)
     if err > tol:
         raise AssertionError(f"{name}: relative error {err:.3e} > tolerance {tol:.1e}")
+
+
+def eager_and_compiled(build, make_input, compile_backend) -> list[dict]:
+    """Forward and backward (loss ``y.square().sum()``) of a module built twice by ``build()`` after
+    ``torch.manual_seed(0)``, eager and then compiled with ``compile_backend`` (a name or a callable; dynamo reset
+    first), on the input ``make_input()`` (requires grad). Returns ``[eager, compiled]``, each
+    ``{"y": output, "x": input grad, parameter name: grad or None}``, for comparing one with the other."""
+    runs = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        module = build()
+        x = make_input().requires_grad_()
+        if compiled:
+            torch._dynamo.reset()
+            module.compile(backend=compile_backend)
+        y = module(x)
+        y.square().sum().backward()
+        runs.append({"y": y.detach(), "x": x.grad, **{n: p.grad for n, p in module.named_parameters()}})
+    return runs
 
 
 def saved_bytes(fn, exclude=()) -> tuple[object, dict]:

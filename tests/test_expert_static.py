@@ -133,7 +133,7 @@ def test_the_expert_call_is_compiled_between_the_collectives():
     from k3lab.moe.latent import LatentMoE
     from k3lab.parallel.expert import apply_expert_parallel
     from k3lab.parallel.expert_static import apply_static_moonep
-    from k3lab.testing import assert_close
+    from k3lab.testing import assert_close, eager_and_compiled
 
     cfg = ModelConfig.preset("tiny").replace(n_routed_experts=8, num_experts_per_tok=2)
     traced = []
@@ -145,25 +145,18 @@ def test_the_expert_call_is_compiled_between_the_collectives():
                 traced.append(f"{n.target}(accumulate)" if accumulate else str(n.target))
         return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
 
+    def build():
+        moe = apply_static_moonep(apply_expert_parallel(LatentMoE(cfg, expert_impl="padded"), None), None, _own_rows)
+        moe.experts.static_capacity = True  # the padded path reads no capacity back (GraphedForwardBackward's)
+        return moe
+
     dist.init_process_group("fake", rank=0, world_size=2, store=dist.HashStore())
     try:
-        outs = []
-        for compiled in (False, True):
-            torch.manual_seed(0)
-            moe = apply_static_moonep(apply_expert_parallel(LatentMoE(cfg, expert_impl="padded"), None), None,
-                                      _own_rows)
-            moe.experts.static_capacity = True  # the padded path reads no capacity back (GraphedForwardBackward's)
-            x = torch.randn(2, 16, cfg.hidden_size, requires_grad=True)
-            if compiled:
-                torch._dynamo.reset()
-                moe.compile(backend=recording)
-            y = moe(x)
-            y.square().sum().backward()
-            outs.append((y.detach(), x.grad, moe.experts.w1.grad, moe.experts.w2.grad))
+        eager, compiled = eager_and_compiled(build, lambda: torch.randn(2, 16, cfg.hidden_size), recording)
     finally:
         dist.destroy_process_group()
-    for name, a, b in zip(("y", "x grad", "w1 grad", "w2 grad"), *outs):
-        assert_close(f"compiled static MoonEP, {name}", b, a, 1e-5)
+    for name in ("y", "x", "experts.w1", "experts.w2"):
+        assert_close(f"compiled static MoonEP, {name}", eager[name], compiled[name], 1e-5)
     assert any("bmm" in t for t in traced), "the expert call ran outside every compiled graph"
     assert any("searchsorted" in t for t in traced), "the plan's destinations ran outside every compiled graph"
     slow = sorted({t for t in traced if "index_add" in t or "accumulate" in t})
@@ -182,28 +175,23 @@ def _compiled_vs_eager(device: str, backend: str, static_capacity: bool, impl: s
     from k3lab.moe.latent import LatentMoE
     from k3lab.parallel.expert import apply_expert_parallel
     from k3lab.parallel.expert_static import apply_static_moonep
-    from k3lab.testing import rel_err
+    from k3lab.testing import eager_and_compiled, rel_err
 
     cfg = ModelConfig.preset("tiny").replace(n_routed_experts=8, num_experts_per_tok=2, backend=backend)
+
+    def build():
+        moe = apply_static_moonep(apply_expert_parallel(LatentMoE(cfg, impl), None), None, _own_rows).to(device)
+        moe.experts.static_capacity = static_capacity
+        return moe
+
     dist.init_process_group("fake", rank=0, world_size=2, store=dist.HashStore())
     try:
-        outs = []
-        for compiled in (False, True):
-            torch.manual_seed(0)
-            moe = apply_static_moonep(apply_expert_parallel(LatentMoE(cfg, impl), None), None, _own_rows).to(device)
-            moe.experts.static_capacity = static_capacity
-            x = torch.randn(4, 64, cfg.hidden_size, device=device, requires_grad=True)
-            if compiled:
-                torch._dynamo.reset()
-                moe.compile(backend=compile_backend)
-            y = moe(x)
-            y.square().sum().backward()
-            outs.append((y.detach(), x.grad, moe.experts.w1.grad, moe.experts.w2.grad,
-                         moe.routed_expert_down_proj.weight.grad, moe.gate.weight.grad))
+        eager, compiled = eager_and_compiled(build, lambda: torch.randn(4, 64, cfg.hidden_size, device=device),
+                                             compile_backend)
     finally:
         dist.destroy_process_group()
-    names = ("y", "x grad", "w1 grad", "w2 grad", "down-proj grad", "router grad")
-    return {name: rel_err(b, a) for name, a, b in zip(names, *outs)}
+    names = ("y", "x", "experts.w1", "experts.w3", "experts.w2", "routed_expert_down_proj.weight", "gate.weight")
+    return {name: rel_err(compiled[name], eager[name]) for name in names}
 
 
 def test_the_static_dispatcher_compiled_by_inductor_equals_eager_on_cpu():

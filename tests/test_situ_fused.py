@@ -10,7 +10,7 @@ from k3lab.moe import latent, situ
 from k3lab.moe.latent import RoutedExperts
 from k3lab.moe.situ import (GLUOutputRecorder, SiTUMLP, glu_activation, glu_down, situ_glu, situ_glu_reference, swiglu,
                             swiglu_reference)
-from k3lab.testing import assert_close, rel_err, saved_bytes
+from k3lab.testing import assert_close, eager_and_compiled, rel_err, saved_bytes
 
 FP32 = 1e-6
 BF16 = 1e-2
@@ -252,17 +252,8 @@ def test_compiled_latent_moe_gradients_equal_eager(act, compile_backend):
     from k3lab.moe.latent import LatentMoE
 
     cfg = ModelConfig.preset("tiny").replace(n_routed_experts=8, num_experts_per_tok=2, hidden_act=act)
-    grads = []
-    for compiled in (False, True):
-        torch.manual_seed(0)
-        moe = LatentMoE(cfg, "padded")
-        x = torch.randn(2, 32, cfg.hidden_size, requires_grad=True)
-        if compiled:
-            torch._dynamo.reset()
-            moe.compile(backend=compile_backend)
-        y = moe(x)
-        y.square().sum().backward()
-        grads.append({"y": y.detach(), "x": x.grad, **{n: p.grad for n, p in moe.named_parameters()}})
+    grads = eager_and_compiled(lambda: LatentMoE(cfg, "padded"), lambda: torch.randn(2, 32, cfg.hidden_size),
+                               compile_backend)
     assert [n for n, g in grads[0].items() if g is None] == [n for n, g in grads[1].items() if g is None]
     for name, ref in grads[0].items():
         if ref is not None:
