@@ -54,7 +54,8 @@ class ParallelOptions:
     ep: int = 1                        # expert-parallel degree (borrows the dp_shard·cp ranks)
     ep_kind: str = "moonep"            # EP_KINDS: "moonep" (balanced replicas) | "ep" (plain home experts)
     ep_plan: str = "host"              # EP_PLANS: MoonEP planned on the host (counts read back) | on the device (its
-    # expert call compiled with the sublayers; the same plan and result: docs/scaling.md, section 4f)
+    # expert call compiled with the sublayers; the same plan and result: docs/scaling.md, section 4f); the fast
+    # profile chooses "device" on CUDA when compiled (k3lab.train.resolve_ep_plan)
     cp_layout: str = "contiguous"      # CP_LAYOUTS: how a sequence is cut over the CP ranks
     timeout: float = DEFAULT_TIMEOUT_S  # seconds every process group waits before it fails the run
     reshard_after_forward: bool = True  # FSDP2: free a sublayer's gathered weights after its forward and gather them
