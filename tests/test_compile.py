@@ -146,6 +146,7 @@ def assert_same_training(eager, eager_losses, compiled, compiled_losses, tol, we
                                        rtol=0, atol=1e-6)
 
 
+@pytest.mark.traced
 def test_fit_sublayer_matches_eager(monkeypatch):
     """KDA + dense, then Gated MLA + LatentMoE (quantile balancer), AttnRes: 3 steps of fit, compiled
     through AOTAutograd, equal the eager run (losses, weights, router biases)."""

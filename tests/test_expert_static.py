@@ -118,6 +118,7 @@ def test_one_host_read_a_forward_eager_and_compiled():
         dist.destroy_process_group()
 
 
+@pytest.mark.traced
 def test_the_expert_call_is_compiled_between_the_collectives():
     """Under torch.compile (fit's compile="sublayer") only the dispatcher's collectives run eager: the plan, both row
     orders and the grouped expert call are traced, so the experts' activation is fused as it is with the local
@@ -194,6 +195,7 @@ def _compiled_vs_eager(device: str, backend: str, static_capacity: bool, impl: s
     return {name: rel_err(compiled[name], eager[name]) for name in names}
 
 
+@pytest.mark.traced
 def test_the_static_dispatcher_compiled_by_inductor_equals_eager_on_cpu():
     """Inductor's CPU code for the plan, the row orders and the padded experts (capacity read back, and fixed)
     against eager: fp32 within 1e-5, every output and gradient."""

@@ -240,6 +240,7 @@ def test_training_with_moonep_equals_one_process(ranks):
         assert runs[0]["dispatchers"] == [{"host": "ExpertParallelDispatcher", "device": "StaticMoonEPDispatcher"}[plan]]
 
 
+@pytest.mark.traced
 def test_compiled_training_with_either_plan_equals_one_process(ranks):
     """`--ep 2 --compile sublayer` at 2 gloo ranks (inductor's CPU code; the host-planned dispatcher runs outside the
     compiled graphs, the device-planned one inside them between its collectives), 2 steps: both give the eager

@@ -244,7 +244,7 @@ def test_compiled_glu_down_saves_gate_and_up_only(act):
 
 @pytest.mark.parametrize("act", ["situ", "swiglu"])
 @pytest.mark.parametrize("compile_backend", ["aot_eager", "inductor"])
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=pytest.mark.traced), pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_compiled_latent_moe_gradients_equal_eager(act, compile_backend, device):
     """A LatentMoE (padded experts, local dispatcher) compiled with ``compile_backend`` against the same module eager:
     output and every gradient within 1e-5 (fp32). Under torch 2.11 the traced :class:`~k3lab.moe.situ.SiTUGLUFunction`
