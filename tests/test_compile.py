@@ -185,19 +185,20 @@ def model_grads(cfg: ModelConfig, device: str, dtype: torch.dtype, compiled: boo
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
-def test_compiled_model_gradients_equal_eager_on_cuda(dtype, tol):
-    """The tiny model (KDA, Gated MLA, AttnRes, LatentMoE with SiTU experts, the fused loss path's pieces) on CUDA,
-    compiled per sublayer by inductor against eager: the loss and every parameter's gradient within ``tol``
-    (relative). fp32 takes the padded experts, bf16 the grouped ones. The GPU machines run torch 2.11, whose dynamo
-    traced the SiTU activation's autograd Function into 100%-wrong expert gradients (fixed: compiled, it is plain
-    ops); CI's CPU tests of the compiled fit run another torch."""
+def test_compiled_model_gradients_equal_eager_on_cuda():
+    """The tiny model (KDA with the Triton kernels, Gated MLA, AttnRes, LatentMoE with SiTU experts on the padded path)
+    on CUDA in fp32, compiled per sublayer by inductor against eager: the loss and every parameter's gradient within
+    1e-4 (relative). The GPU machines run torch 2.11, whose dynamo traced the SiTU activation's autograd Function into
+    100%-wrong expert gradients (fixed: compiled, it is plain ops); CI's CPU tests of the compiled fit run another
+    torch. Not in bf16: there the comparison measures routing, not tracing (on a CPU, torch 2.11 and 2.13 alike, the
+    compiled model's bf16 gradients differ from eager's by a median 2.4e-2 and up to 0.58 for the MoE's router, as
+    near-tied top-k choices flip with the rounding)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     cfg = ModelConfig.preset("tiny").replace(backend="auto")
-    eager, compiled = (model_grads(cfg, "cuda", dtype, c) for c in (False, True))
+    eager, compiled = (model_grads(cfg, "cuda", torch.float32, c) for c in (False, True))
     assert set(eager) == set(compiled)
-    bad = {n: f"{rel_err(compiled[n], g):.1e}" for n, g in eager.items() if rel_err(compiled[n], g) > tol}
+    bad = {n: f"{rel_err(compiled[n], g):.1e}" for n, g in eager.items() if rel_err(compiled[n], g) > 1e-4}
     assert not bad, bad
 
 

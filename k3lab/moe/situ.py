@@ -238,7 +238,10 @@ def _act_traced(gate: Tensor, up: Tensor, act: str, betas: tuple[float, ...]) ->
     its job there). The Functions themselves are not traced: torch 2.11's dynamo traced :class:`SiTUGLUFunction`
     into wrong gate and up gradients (the output right; the experts' w1 and w3 gradients 100% off, with the
     backends "eager", "aot_eager" and "inductor", CPU and CUDA; checked on 2026-12-07), torch 2.13 traces it
-    right. ``tests/test_situ_fused.py`` compares the compiled activations' gradients with eager's."""
+    right. The trigger, narrowed down under torch 2.11: a Function whose forward returns a no-op ``.to(dtype)`` of an
+    intermediate (here the fp32 result cast to fp32), so the output is the intermediate itself; ``g * u`` alone
+    traces right, ``(g * u).to(torch.float32)`` does not (the mechanism of pytorch/pytorch issue 180642).
+    ``tests/test_situ_fused.py`` compares the compiled activations' gradients with eager's."""
     return _ACT_PASSES[act][0](gate, up, *betas)[0]
 
 
