@@ -155,6 +155,7 @@ def test_fit_sublayer_matches_eager(monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.slow  # a second 3-step fit pair; test_fit_sublayer_matches_eager covers the compiled hybrid
+@pytest.mark.traced
 def test_fit_sublayer_matches_eager_mtp_aux_loss(monkeypatch):
     """The whole tiny preset with the MTP head and the auxiliary-loss balancer (its loss comes from the
     eager ``observe`` between compiled pieces)."""

@@ -216,6 +216,7 @@ def test_glu_output_recorder_sees_h_and_restores_the_fused_path():
     assert mlp.fuse_down is True
 
 
+@pytest.mark.traced
 @pytest.mark.parametrize("act", ["situ", "swiglu"])
 def test_compiled_glu_down_saves_gate_and_up_only(act):
     """Under torch.compile (inductor: its partitioner decides what a compiled graph keeps) a SiTU MLP keeps
