@@ -240,7 +240,8 @@ def _act_traced(gate: Tensor, up: Tensor, act: str, betas: tuple[float, ...]) ->
     backends "eager", "aot_eager" and "inductor", CPU and CUDA; checked on 2026-12-07), torch 2.13 traces it
     right. The trigger, narrowed down under torch 2.11: a Function whose forward returns a no-op ``.to(dtype)`` of an
     intermediate (here the fp32 result cast to fp32), so the output is the intermediate itself; ``g * u`` alone
-    traces right, ``(g * u).to(torch.float32)`` does not (the mechanism of pytorch/pytorch issue 180642).
+    traces right, ``(g * u).to(torch.float32)`` does not (pytorch/pytorch issue 180642 describes the mechanism
+    for an in-place op: an output that is itself an intermediate gets its gradient routed to the wrong slot).
     ``tests/test_situ_fused.py`` compares the compiled activations' gradients with eager's."""
     return _ACT_PASSES[act][0](gate, up, *betas)[0]
 
