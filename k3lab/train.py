@@ -599,9 +599,8 @@ def resolve_ep_plan(cfg: TrainConfig, parallel, device_type: str, world_size: in
     if (cfg.profile != "fast" or device_type != "cuda" or world_size <= 1 or parallel is None or parallel.ep <= 1
             or parallel.cp > 1 or parallel.ep_kind != "moonep" or cfg.compile == "none"):
         return parallel, []
-    default = {f.name: f.default for f in dataclasses.fields(type(parallel))}["ep_plan"]
-    if parallel.ep_plan != default or default == "device":
-        return parallel, []
+    if parallel.ep_plan != {f.name: f.default for f in dataclasses.fields(type(parallel))}["ep_plan"]:
+        return parallel, []  # a plan the run set keeps
     return dataclasses.replace(parallel, ep_plan="device"), ["ep_plan='device'"]
 
 

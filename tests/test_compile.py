@@ -169,20 +169,18 @@ def test_fit_sublayer_inductor_matches_eager(monkeypatch):
     assert_same_training(*fit_both(hybrid(2), 3, monkeypatch, "inductor"), tol=1e-5, weights=False)
 
 
-def model_grads(cfg: ModelConfig, device: str, dtype: torch.dtype, compiled: bool) -> dict:
-    """Loss and every parameter's gradient of one forward + backward of the model built from ``cfg`` (seed 0) on
-    ``device`` under ``dtype`` autocast (float32: none), compiled per sublayer by inductor or eager."""
+def model_grads(cfg: ModelConfig, device: str, compiled: bool) -> dict:
+    """Loss and every parameter's gradient of one fp32 forward + backward of the model built from ``cfg`` (seed 0) on
+    ``device``, compiled per sublayer by inductor or eager."""
     fresh_dynamo()
     torch.manual_seed(0)
     model = K3ForCausalLM(cfg).to(device)
     if compiled:
         compile_sublayers(model)
     x = torch.randint(0, cfg.vocab_size, (2, 64), generator=torch.Generator().manual_seed(1)).to(device)
-    with torch.autocast(device, dtype=dtype, enabled=dtype != torch.float32):
-        loss = model(x, labels=x).loss
+    loss = model(x, labels=x).loss
     loss.backward()
-    return {"loss": loss.detach().float(), **{n: p.grad.float() for n, p in model.named_parameters()
-                                              if p.grad is not None}}
+    return {"loss": loss.detach(), **{n: p.grad for n, p in model.named_parameters() if p.grad is not None}}
 
 
 @pytest.mark.gpu
@@ -197,7 +195,7 @@ def test_compiled_model_gradients_equal_eager_on_cuda():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     cfg = ModelConfig.preset("tiny").replace(backend="auto")
-    eager, compiled = (model_grads(cfg, "cuda", torch.float32, c) for c in (False, True))
+    eager, compiled = (model_grads(cfg, "cuda", c) for c in (False, True))
     assert set(eager) == set(compiled)
     bad = {n: f"{rel_err(compiled[n], g):.1e}" for n, g in eager.items() if rel_err(compiled[n], g) > 1e-4}
     assert not bad, bad
