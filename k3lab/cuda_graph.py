@@ -41,8 +41,12 @@ What a replay needs, and what this module checks or arranges:
 
 * **A sharded rank** (FSDP2 alone, world size > 1) passes ``forward`` (its model call with the
   :class:`~k3lab.model.LossShard`, whose global label counts are device tensors that ``fit`` refills before
-  each replay). FSDP2's all-gathers, reduce-scatters and side-stream waits are recorded in the capture; the
-  update stays eager. Expert parallelism cannot be captured: its all-to-all sizes are read on the host.
+  each replay). FSDP2's all-gathers, reduce-scatters and side-stream waits are recorded in the capture. Its
+  update is a graph too: ``before_after_step`` records the rank's QK-Clip max all-reduce before the balancers'
+  update, whose own all-reduces are recorded with it (eager, the update's ~650 small launches left a fake rank
+  of 8's GPU idle ~25 ms a step on one H100, 2026-12-07). Expert parallelism is captured with MoonEP planned on
+  the device and a capturable exchange (:mod:`k3lab.parallel.expert_static`); the host-planned dispatcher reads its
+  all-to-all sizes on the host and cannot be.
 
 The first ``warmup`` calls run eagerly (compilation and the libraries' lazy initialisation happen
 there, outside the capture); the next call captures and replays. Each call is one training step: the
@@ -51,6 +55,7 @@ eager ones and the replays compute the same numbers (tested on the GPU).
 from __future__ import annotations
 
 import gc
+from typing import Callable
 
 import torch
 from torch import nn
@@ -159,11 +164,13 @@ class GraphedOptimizerStep:
     exist (at least one eager step before): a capture only records, it would not create it.
     """
 
-    def __init__(self, model: nn.Module, optimizer, forward_backward: GraphedForwardBackward):
+    def __init__(self, model: nn.Module, optimizer, forward_backward: GraphedForwardBackward,
+                 before_after_step: Callable[[], None] | None = None):
         if not getattr(optimizer, "fused", False):
             raise ValueError("GraphedOptimizerStep: needs a MasterWeightOptimizer with the fused AdamW step "
                              "(TrainConfig.param_dtype='bfloat16', optimizer='adamw', on CUDA)")
         self.model, self.optimizer, self.forward_backward = model, optimizer, forward_backward
+        self.before_after_step = before_after_step
         self.graph: torch.cuda.CUDAGraph | None = None
         self.launch_ids: list[int] = []
         self.clip = None
@@ -174,6 +181,8 @@ class GraphedOptimizerStep:
 
     def _device_half(self, launches) -> None:
         self.optimizer.run_fused_step(launches)
+        if self.before_after_step is not None:  # a sharded rank's collectives the after-step reads (QK-Clip's max)
+            self.before_after_step()
         if hasattr(self.model, "after_optimizer_step"):
             self.model.after_optimizer_step()
         self.optimizer.sync_from_params()  # QK-Clip rescaled bf16 rows in place: into the masters, every replay

@@ -406,7 +406,8 @@ def _setup(model, cfg: TrainConfig, parallel, first_batch_shape) -> _Run:
                                cp_layout=getattr(parallel, "cp_layout", "contiguous"), recompute=cfg.recompute,
                                recompute_layers=cfg.recompute_layers, compile=cfg.compile, param_dtype=bf16_compute,
                                reduce_dtype=torch.float32 if on_shards else None,
-                               reshard_after_forward=getattr(parallel, "reshard_after_forward", True))
+                               reshard_after_forward=getattr(parallel, "reshard_after_forward", True),
+                               shared_overlap=getattr(parallel, "shared_overlap", True))
     if meta:
         from k3lab.parallel.materialize import materialize_from_rank0
 
@@ -834,8 +835,9 @@ class _Step:
                     return run.model(x, labels=y, shard=shard)
             self.graphed = GraphedForwardBackward(run.model, torch.bfloat16 if cfg.dtype == "bfloat16" else None,
                                                   after_backward=self.clip_grad_norm, forward=forward)
-            if masters is not None and not run.distributed:  # the fused AdamW and the after-step work: a second graph
-                self.graphed_update = GraphedOptimizerStep(run.model, masters, self.graphed)
+            if masters is not None:  # the fused AdamW and the after-step work (a rank's all-reduces too): a second graph
+                self.graphed_update = GraphedOptimizerStep(run.model, masters, self.graphed,
+                                                           self.reduce_max_logits if run.distributed else None)
 
     def clip_grad_norm(self):
         """The global gradient norm (a tensor; not read back here) and the clip."""
@@ -902,11 +904,15 @@ class _Step:
         if self.graphed is None or not self.graphed.captured:  # a replay overwrites the captured gradients itself
             self.optimizer.zero_grad(set_to_none=True)
         if run.distributed:
-            from k3lab.parallel.parallelize import reduce_max_logits_
-
-            reduce_max_logits_(model, run.groups.world)
+            self.reduce_max_logits()
         if hasattr(model, "after_optimizer_step"):
             model.after_optimizer_step()
+
+    def reduce_max_logits(self) -> None:
+        """QK-Clip's max logits over the global batch (MAX over the ranks), before the after-step work reads them."""
+        from k3lab.parallel.parallelize import reduce_max_logits_
+
+        reduce_max_logits_(self.run.model, self.run.groups.world)
 
 
 def _all_reduce_sum(values: dict, group, device) -> dict:

@@ -43,7 +43,8 @@ it) and the same batches
 ``k3lab.cli.flags_for`` makes of the same TrainConfig. The table's last lines give CLI ÷ fit for tokens/s
 and peak memory and the largest relative difference of their per-step losses.
 
-``@via=fake-rank[,ranks=2|4|8][,reshard=true|false][,ep=2|4|8[,ep_plan=host|device]]``: ``fit`` as rank 0 of a
+``@via=fake-rank[,ranks=2|4|8][,reshard=true|false][,ep=2|4|8[,ep_plan=host|device][,exchange=stand-in|emulated]
+[,overlap=true|false]]``: ``fit`` as rank 0 of a
 sharded run (FSDP alone, or with MoonEP over ``ep`` of the ranks; 8 ranks by
 default) in PyTorch's fake process group, every collective free, the rank holding the config's B × T tokens: the
 sharded step as ``fit`` runs it (masters, graphs and all), timed on one GPU, against the one-GPU ``@via=fit`` row
@@ -51,7 +52,11 @@ of the same call. This row is the rank's compute; its second step runs with ``ke
 on, and that script's step model (:func:`predicted_step`: the counted bytes over 8 H200s on NVLink, FSDP's hidden
 under compute but its first all-gather and last reduce-scatter, the EP all-to-alls blocking) gives the line under
 the table: the rank's predicted tokens/s per GPU against ``fit`` on one GPU. With ``ep_plan=device`` and
-``cuda_graph=on`` the EP exchanges are that script's capturable stand-in (:func:`uses_stand_in`).
+``cuda_graph=on`` the EP exchanges are that script's capturable stand-in (:func:`uses_stand_in`);
+``exchange=emulated`` makes them its ``emulated_exchange``, each all-to-all holding the compute stream for its
+modelled time on 16 SMs (CUDA), so the row's ms holds the exposed all-to-all time and the prediction adds the other
+collectives only (:func:`emulates_exchange`); ``overlap=false`` runs the shared expert in line instead of on its
+side stream (``ParallelOptions.shared_overlap``).
 
 Defaults: ``small-16x1024 small-8x4096 kda-anchor-8x4096 fla-kda-anchor-8x4096``.
 
@@ -155,8 +160,9 @@ TRAIN_SKIP = ("steps", "device", "log_every", "eval_every", "eval_batches", "che
 TRAIN_DEFAULTS = {"dtype": "bfloat16", "lr": 1e-3, "warmup_steps": 0}  # where the benchmark differs from TrainConfig
 # per-config options that are not TrainConfig fields (ranks, reshard, ep, ep_plan: via=fake-rank only)
 BENCH_OPTIONS = {"via": ("fit", "cli", "fake-rank"), "ranks": ("2", "4", "8"), "reshard": ("true", "false"),
-                 "ep": ("1", "2", "4", "8"), "ep_plan": EP_PLANS}
-RANK_OPTIONS = ("ranks", "reshard", "ep", "ep_plan")
+                 "ep": ("1", "2", "4", "8"), "ep_plan": EP_PLANS, "exchange": ("stand-in", "emulated"),
+                 "overlap": ("true", "false")}
+RANK_OPTIONS = ("ranks", "reshard", "ep", "ep_plan", "exchange", "overlap")
 # fla's model: the k3lab-only settings, whatever the command line or the config says (its row shows them)
 FLA_SETTINGS = dict(param_dtype="float32", moment_dtype="float32", master_format="float32", compile="none",
                     recompute="none", recompute_layers=None, cuda_graph=False, fused_loss=False)
@@ -216,6 +222,9 @@ def parse_config(name: str, base: dict | None = None) -> Spec:
     keys = dict(options)
     if keys.get("via") != "fake-rank" and any(k in keys for k in RANK_OPTIONS):
         raise ValueError(f"config {name!r}: options {'=, '.join(RANK_OPTIONS)}= need via=fake-rank")
+    if keys.get("exchange") == "emulated" and (keys.get("ep", "1") == "1" or keys.get("ep_plan") != "device"):
+        raise ValueError(f"config {name!r}: option 'exchange=emulated' needs ep=2|4|8 and ep_plan=device (the "
+                         "capturable exchange it times)")
     spec = Spec(name, m.group(1), int(m.group(2)), int(m.group(3)), tuple(options))
     train_config(spec, TRAIN_DEFAULTS if base is None else base)  # the values: TrainConfig's own check
     return spec
@@ -350,7 +359,9 @@ def run_config(spec: Spec, args) -> dict:
                                                                    == "false" else "")
                     + (f", EP = {spec.option('ep', '1')}, {spec.option('ep_plan', 'host')}-planned MoonEP"
                        if spec.option("ep", "1") != "1" else "")
-                    + (", stand-in exchange" if uses_stand_in(spec, cfg) else ""))
+                    + (", emulated exchange" if emulates_exchange(spec) else
+                       ", stand-in exchange" if uses_stand_in(spec, cfg) else "")
+                    + (", shared expert in line" if spec.option("overlap", "true") == "false" else ""))
                 del model
                 history, peak, counted = run_via(via, spec, cfg, device)
         except TrainingDiverged as err:
@@ -364,7 +375,8 @@ def run_config(spec: Spec, args) -> dict:
                    mfu=6 * active * tokens_per_s / args.peak_flops,
                    peak_mem_gib=peak if peak is not None else _peak_memory_gib(device), losses=[r["loss"] for r in history],
                    grad_norms=[r.get("grad_norm") for r in history],
-                   **({} if not counted else dict(counted=counted, **predicted_step(1e3 * dt, counted))),
+                   **({} if not counted else dict(counted=counted, **predicted_step(
+                       1e3 * dt, counted, in_compute=("all_to_all",) if emulates_exchange(spec) else ()))),
                    first_step_s=elapsed[0], loss_first=history[0]["loss"], loss=history[-1]["loss"],
                    steps_timed=len(times), wall_s=wall)
     except Exception as err:  # noqa: BLE001 — a row per config, whatever happened
@@ -427,12 +439,14 @@ def fit_as_fake_rank(spec: Spec, cfg, train_cfg, device) -> tuple[list[dict], di
     ps = sys.modules.get("predict_scaling") or load_script_here("predict_scaling.py")
     ranks = int(spec.option("ranks", "8"))
     parallel = ParallelOptions(reshard_after_forward=spec.option("reshard", "true") == "true",
-                               ep=int(spec.option("ep", "1")), ep_plan=spec.option("ep_plan", "host"))
+                               ep=int(spec.option("ep", "1")), ep_plan=spec.option("ep_plan", "host"),
+                               shared_overlap=spec.option("overlap", "true") == "true")
     exchange = contextlib.nullcontext()
-    if uses_stand_in(spec, train_cfg):
+    if emulates_exchange(spec) or uses_stand_in(spec, train_cfg):
         from k3lab.parallel.expert_static import default_exchange
 
-        exchange = default_exchange(ps.fixed_size_exchange)
+        exchange = default_exchange(ps.emulated_exchange(ps.LINKS[LINK]) if emulates_exchange(spec)
+                                    else ps.fixed_size_exchange)
     counted = {}
 
     def count_step_two(step, _row):  # the second step runs eager at every setting (a graph captures the third)
@@ -446,13 +460,21 @@ def fit_as_fake_rank(spec: Spec, cfg, train_cfg, device) -> tuple[list[dict], di
     return history, counted
 
 
-def predicted_step(compute_ms: float, counted: dict, link: str = "nvlink8") -> dict:
+LINK = "nvlink8"  # the step model's link for a fake rank's prediction and its emulated exchange
+
+
+def predicted_step(compute_ms: float, counted: dict, link: str = LINK, in_compute: tuple[str, ...] = ()) -> dict:
     """``kernels/predict_scaling.py``'s step model for a fake rank: its measured ms and the bytes its collectives moved
     in one counted step -> ``{comm_ms, predicted_ms}`` (predicted: FSDP-realistic, the EP all-to-alls and small
-    all-reduces blocking) under ``link``."""
+    all-reduces blocking) under ``link``. ``in_compute``: kinds whose time the measured ms already holds (the
+    emulated exchange's all-to-alls, :func:`emulates_exchange`): left out of the sum, their ms reported apart."""
     ps = sys.modules.get("predict_scaling") or load_script_here("predict_scaling.py")
-    pred = ps.predict_step(compute_ms / 1e3, counted.get("comm", []), ps.LINKS[link], counted.get("fsdp_edges", []))
-    return dict(comm_ms=1e3 * pred["comm"], predicted_ms=1e3 * pred["realistic"], link=link)
+    comm = [r for r in counted.get("comm", []) if r["kind"] not in in_compute]
+    pred = ps.predict_step(compute_ms / 1e3, comm, ps.LINKS[link], counted.get("fsdp_edges", []))
+    inside = sum(ps.collective_seconds(r["kind"], r["bytes"], r["n"], r["calls"], ps.LINKS[link])
+                 for r in counted.get("comm", []) if r["kind"] in in_compute)
+    return dict(comm_ms=1e3 * pred["comm"], predicted_ms=1e3 * pred["realistic"], link=link,
+                **({"in_compute_ms": 1e3 * inside} if in_compute else {}))
 
 
 def load_script_here(name: str):
@@ -460,6 +482,14 @@ def load_script_here(name: str):
     from k3lab.testing import load_script
 
     return load_script(os.path.join(HERE, name), name.removesuffix(".py"))
+
+
+def emulates_exchange(spec: Spec) -> bool:
+    """``@exchange=emulated`` (with ``ep_plan=device``): the EP exchanges are ``kernels/predict_scaling.py``'s
+    ``emulated_exchange``, which holds the compute stream for each all-to-all's modelled time (CUDA), so the row's ms
+    holds the exposed all-to-all time, what the shared expert's side stream hides (``@overlap=true``, the default)
+    taken off."""
+    return spec.option("exchange", "stand-in") == "emulated"
 
 
 def uses_stand_in(spec: Spec, train_cfg) -> bool:

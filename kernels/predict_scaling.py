@@ -519,6 +519,78 @@ def fixed_size_exchange(x, send, recv, rows_out, group):
 
 fixed_size_exchange.capturable = True  # no host read: a CUDA graph records it (k3lab.parallel.expert_static.capturable)
 
+# the SMs an emulated all-to-all keeps busy while it waits: NCCL runs a collective as a number of channels, one
+# thread block (SM) each; 16 is this script's assumption, stated beside every figure that uses it
+EMULATED_SMS = 16
+
+
+def emulated_exchange(link: Link, sms: int = EMULATED_SMS):
+    """:func:`fixed_size_exchange` that also *takes the time* the step model gives it (CUDA only): each call, forward
+    and backward, holds the caller's stream for ``collective_seconds("all_to_all", bytes, N, 1, link)`` from its
+    start, on ``sms`` SMs (:data:`EMULATED_SMS`), as an NCCL all-to-all blocks its stream; work on other streams
+    (:attr:`k3lab.moe.latent.LatentMoE.shared_stream`) runs beside it. The rank's measured step then holds its exposed
+    all-to-all time, what overlap hides included: a fake rank timed with it adds every collective but the all-to-alls
+    (:func:`predict_step` with ``in_compute``). The time a call waits is measured from a device timestamp taken before
+    the fake group's copy of the rows, so the copy (what NCCL's kernels write) counts inside it."""
+
+    def exchange(x, send, recv, rows_out, group):
+        return _EmulatedExchange.apply(x, rows_out, group, link, sms)
+
+    exchange.capturable = True
+    exchange.emulated = True
+    return exchange
+
+
+class _EmulatedExchange(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, rows_out, group, link, sms):
+        ctx.rows_in, ctx.group, ctx.link, ctx.sms = x.shape[0], group, link, sms
+        return _timed_all_to_all(x, rows_out, group, link, sms)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _timed_all_to_all(grad, ctx.rows_in, ctx.group, ctx.link, ctx.sms), None, None, None, None
+
+
+def _timed_all_to_all(x, rows: int, group, link: Link, sms: int):
+    """:func:`_fixed_size_all_to_all`, with the caller's stream held until the modelled time of that all-to-all
+    (nccl-tests size: its buffer) has passed since a device timestamp taken before it."""
+    stamp, wait_until = _timer_kernels()
+    n = dist.get_world_size(group)
+    numel = min(rows, x.shape[0]) * x[0].numel()
+    size = (numel + (-numel) % n) * x.element_size()                               # the equal-split buffer's bytes
+    t0 = torch.empty(1, dtype=torch.int64, device=x.device)
+    stamp[(1,)](t0)
+    out = _fixed_size_all_to_all(x, rows, group)
+    wait_until[(sms,)](t0, int(1e9 * collective_seconds("all_to_all", size, n, 1, link)))
+    return out
+
+
+def _timer_kernels():
+    """(stamp, wait_until): the two Triton kernels on the GPU's global nanosecond timer; RuntimeError without Triton."""
+    if triton is None:
+        raise RuntimeError("emulated_exchange: needs Triton and a CUDA GPU (its timer kernels)")
+    return _stamp_kernel, _wait_until_kernel
+
+
+try:  # the emulated exchange's kernels (GPU runs only; the CPU tests never launch them)
+    import triton
+    import triton.language as tl
+    from triton.language.extra.cuda import globaltimer
+except ImportError:  # pragma: no cover - a CPU install without Triton
+    triton = None
+else:
+    @triton.jit
+    def _stamp_kernel(t_ptr):
+        tl.store(t_ptr, globaltimer())
+
+    @triton.jit
+    def _wait_until_kernel(t_ptr, ns):
+        start = tl.load(t_ptr)
+        now = globaltimer()
+        while now - start < ns:
+            now = globaltimer()
+
 
 @contextlib.contextmanager
 def fake_process_group(world: int, rank: int, device: torch.device):

@@ -127,21 +127,27 @@ def _fake_batch(cfg, step):
     return x, y
 
 
-def _fake_group_fit(cfg, train_cfgs):
+def _fake_group_fit(cfg, train_cfgs, ep=1, results=False):
     """``fit`` at world size 2 as rank 0 of PyTorch's fake process group (one process, no second GPU: its
     collectives return this rank's own data; ``kernels/predict_scaling.py``'s ``fake_rank`` fills what an older
-    torch's fake group leaves empty, such as the scatter that gives the shards their weights), FSDP alone, once per
-    TrainConfig; the losses of each run."""
+    torch's fake group leaves empty, such as the scatter that gives the shards their weights), once per
+    TrainConfig: FSDP alone, or with ``ep=2`` MoonEP planned on the device with the script's capturable stand-in
+    exchange. The losses of each run (``results``: fit's results)."""
+    import contextlib
+
+    from k3lab.parallel.expert_static import default_exchange
     from k3lab.parallel.parallelize import ParallelOptions
     from k3lab.testing import load_script
 
     ps = load_script(ROOT / "kernels" / "predict_scaling.py", "predict_scaling")
-    with ps.fake_rank(2, 0, torch.device(train_cfgs[0].device)):
+    parallel = ParallelOptions(timeout=300, ep=ep, **({"ep_plan": "device"} if ep > 1 else {}))
+    exchange = default_exchange(ps.fixed_size_exchange) if ep > 1 else contextlib.nullcontext()
+    with ps.fake_rank(2, 0, torch.device(train_cfgs[0].device)), exchange:
         out = []
         for train_cfg in train_cfgs:
             torch.manual_seed(0)
-            out.append(fit(lambda: K3ForCausalLM(cfg), lambda step: _fake_batch(cfg, step), train_cfg,
-                           parallel=ParallelOptions(timeout=300)).losses)
+            result = fit(lambda: K3ForCausalLM(cfg), lambda step: _fake_batch(cfg, step), train_cfg, parallel=parallel)
+            out.append(result if results else result.losses)
         return out
 
 
@@ -231,3 +237,26 @@ def test_sharded_rank_graphed_equals_eager():
     eager, graphed = _fake_group_fit(cfg, [TrainConfig(**base), TrainConfig(**base, cuda_graph=True)])
     assert len(eager) == len(graphed) == 7 and graphed[-1] < graphed[0]
     assert graphed == pytest.approx(eager, rel=1e-4), (eager, graphed)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ep", [1, 2])
+def test_sharded_rank_graphed_update_equals_eager(ep):
+    """A sharded rank's update as a CUDA graph too: fit at world size 2 (rank 0 of the fake group on one GPU) with
+    bf16 weights, split masters and bf16 moments, compiled sublayers, cuda_graph=True against the same rank eager:
+    the same losses and gradient norms step by step through the eager steps, the captures and the replays (1e-5,
+    as the one-GPU graphed test), so the replayed update (the fused AdamW on the local shards, QK-Clip's max
+    all-reduce, the balancers' update) is the eager one. ``qk_clip_tau=0.02`` makes QK-Clip rescale every step.
+    ``ep=2``: MoonEP planned on the device with the capturable stand-in exchange, its expert slices stepped in the
+    same graph."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    cfg = ModelConfig.preset("tiny").replace(qk_clip_tau=0.02)
+    base = dict(steps=6, lr=3e-3, device="cuda", dtype="bfloat16", param_dtype="bfloat16", moment_dtype="bfloat16",
+                master_format="split", compile="sublayer", fused_loss=True, progress=False)
+    eager, graphed = _fake_group_fit(cfg, [TrainConfig(**base), TrainConfig(**base, cuda_graph=True)], ep=ep,
+                                     results=True)
+    for key in ("loss", "grad_norm"):
+        a, b = torch.tensor(eager.column(key)[1]), torch.tensor(graphed.column(key)[1])
+        assert_close(key, a, b, 1e-5)
+    assert len(set(graphed.column("loss")[1])) == 6 and graphed.losses[-1] < graphed.losses[0]

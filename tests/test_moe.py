@@ -355,3 +355,36 @@ def test_recorders_follow_training_forwards_only():
     glu.remove()
     moe.train()(torch.randn(2, 8, 64))
     assert len(vio.history[""]) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compiled", [False, True])
+def test_shared_expert_beside_the_routed_path_equals_in_line(compiled):
+    """``LatentMoE.shared_stream`` (what an expert-parallel run sets on CUDA, ParallelOptions.shared_overlap): the
+    shared expert's forward, and so its backward, on a side stream give the in-line module's output and every
+    gradient (the same kernels: 1e-6, fp32), eager and compiled."""
+    from k3lab.testing import eager_and_compiled
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    cfg = ModelConfig.preset("tiny").replace(n_routed_experts=8, num_experts_per_tok=2)
+    assert cfg.n_shared_experts > 0
+    side = torch.cuda.Stream()
+
+    def build(stream):
+        def make():
+            moe = LatentMoE(cfg).cuda()
+            moe.shared_stream = stream
+            return moe
+        return make
+
+    def make_input():
+        return torch.randn(2, 64, cfg.hidden_size, generator=torch.Generator().manual_seed(1)).cuda()
+
+    pick = 1 if compiled else 0
+    in_line = eager_and_compiled(build(None), make_input, "inductor")[pick]
+    beside = eager_and_compiled(build(side), make_input, "inductor")[pick]
+    assert [k for k, g in in_line.items() if g is None] == [k for k, g in beside.items() if g is None]
+    for key, want in in_line.items():
+        if want is not None:
+            assert_close(key, want, beside[key], 1e-6)

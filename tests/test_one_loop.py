@@ -241,7 +241,8 @@ def _shard_step_worker(rank, world, out_dir):
             for group in (*opt_one.param_groups, *opt_sharded.param_groups):
                 group["lr"] = 3e-2 / (step + 1)
             norms = [grad_norm(list(m.parameters()), set(), 1, g) for m, g in ((one, None), (sharded, mesh.get_group()))]
-            same.append((f"norm {step}", torch.equal(*norms)))
+            same.append((f"norm {step}", torch.equal(norms[0].float(), norms[1].float())  # what the clip reads
+                         and abs(float(norms[0]) / float(norms[1]) - 1) < 1e-12))
             opt_one.clip_grad_norm_(0.5, norm=norms[0])
             opt_sharded.clip_grad_norm_(0.5, norm=norms[1])
             opt_one.step()
@@ -259,7 +260,7 @@ def _shard_step_worker(rank, world, out_dir):
 def test_master_step_on_local_shards_is_the_one_process_step(two_ranks):
     """bf16 moments and split masters on FSDP2-style shards: the fused step is elementwise, so each rank stepping
     its rows gives, bit for bit, the one-process step of the whole tensors (given the same global norm, itself
-    equal: float64 sums of bf16 squares); a DCP checkpoint restores weights, masters (split: p and lo), moments
+    equal in float32, what the step reads, and within 1e-12 in float64: per-tensor float64 norms); a DCP checkpoint restores weights, masters (split: p and lo), moments
     and step counts bit for bit."""
     for rank_out in _job(two_ranks, "shard step"):
         for name, checks in rank_out.items():
@@ -452,7 +453,7 @@ def test_flags_for_gives_the_config_back():
     cfg = TrainConfig(steps=7, lr=1e-3, betas=(0.8, 0.9), warmup_steps=0, dtype="bfloat16", param_dtype="bfloat16",
                       fused_loss=True, optimizer_kwargs={"muon_lr": 0.02}, recompute="mixer", recompute_layers=2,
                       progress=False, name="x")
-    opts = ParallelOptions(cp=2, ep_kind="ep", timeout=30.0)
+    opts = ParallelOptions(cp=2, ep_kind="ep", timeout=30.0, shared_overlap=False)
     args = build_parser().parse_args(flags_for(cfg) + flags_for(opts))
     assert dataclass_from_flags(TrainConfig, args) == cfg
     assert dataclass_from_flags(ParallelOptions, args) == opts

@@ -272,3 +272,50 @@ def test_graphed_static_moonep_rank_equals_its_eager_step(tmp_path):
                           "--configs", "tiny-w2-ep2-2x64@graph=true", "--raise-errors"],
                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert bad.returncode != 0 and "ep_kind=static" in bad.stdout + bad.stderr
+
+
+@pytest.mark.gpu
+def test_emulated_exchange_takes_its_modelled_time_and_moves_the_stand_ins_rows():
+    """``emulated_exchange``: each call returns what the stand-in exchange returns (this rank's rows, on the fake
+    group) and holds the caller's stream at least the step model's time for that all-to-all, forward and backward;
+    work on another stream is not held."""
+    import torch
+
+    ps = load_script()
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    link = ps.LINKS["nvlink8"]
+    exchange = ps.emulated_exchange(link)
+    dev = torch.device("cuda")
+    with ps.fake_rank(8, 0, dev):
+        x = torch.randn(4096, 512, device=dev, requires_grad=True)
+        want = ps.collective_seconds("all_to_all", x.numel() * 4, 8, 1, link)  # ~0.1 ms: fp32 rows, no padding
+        exchange(x.detach(), None, None, 4096, None)  # compile the timer kernels
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        y = exchange(x, None, None, 4096, None)
+        end.record()
+        y.backward(torch.ones_like(y))
+        torch.cuda.synchronize()
+        assert start.elapsed_time(end) >= 1e3 * want * 0.999, (start.elapsed_time(end), want)
+        assert torch.equal(y, ps.fixed_size_exchange(x.detach(), None, None, 4096, None))
+        assert torch.equal(x.grad, torch.ones_like(x))
+
+
+def test_a_rank_with_the_emulated_exchange_adds_the_other_collectives_only():
+    """bench_train's prediction for a fake rank whose ms already holds its all-to-alls (``exchange=emulated``):
+    the same step model without the all-to-all records, their modelled time reported apart."""
+    bench = testing.load_script(ROOT / "kernels" / "bench_train.py", "bench_train")
+    ps = load_script()
+    link = ps.LINKS["nvlink8"]
+    a2a = dict(source="other", kind="all_to_all", n=8, bytes=8e9, calls=90)
+    rest = [dict(source="fsdp", kind="all_gather", n=8, bytes=3e8, calls=33),
+            dict(source="other", kind="all_reduce", n=8, bytes=8e6, calls=36)]
+    edges = [dict(kind="all_gather", n=8, bytes=2e7)]
+    counted = dict(comm=[*rest, a2a], fsdp_edges=edges)
+    inside = bench.predicted_step(200.0, counted, in_compute=("all_to_all",))
+    blocking = bench.predicted_step(200.0, counted)
+    alone = ps.predict_step(0.2, rest, link, edges)
+    assert inside["predicted_ms"] == pytest.approx(1e3 * alone["realistic"])
+    assert inside["in_compute_ms"] == pytest.approx(1e3 * ps.collective_seconds("all_to_all", 8e9, 8, 90, link))
+    assert blocking["predicted_ms"] == pytest.approx(inside["predicted_ms"] + inside["in_compute_ms"])

