@@ -362,7 +362,8 @@ def test_recorders_follow_training_forwards_only():
 def test_shared_expert_beside_the_routed_path_equals_in_line(compiled):
     """``LatentMoE.shared_stream`` (what an expert-parallel run sets on CUDA, ParallelOptions.shared_overlap): the
     shared expert's forward, and so its backward, on a side stream give the in-line module's output and every
-    gradient (the same kernels: 1e-6, fp32), eager and compiled."""
+    gradient within 1e-6 (fp32), eager (the same kernels) and compiled (the side-stream expert runs eager between
+    the compiled pieces, where in line inductor fuses its activation)."""
     from k3lab.testing import eager_and_compiled
 
     if not torch.cuda.is_available():
