@@ -41,7 +41,7 @@ from typing import Callable, Iterator
 import torch
 from torch import Tensor, nn
 
-from k3lab.moe.latent import DispatchPlan, DispatchRows, LatentMoE, LocalDispatcher, RoutedExperts, inverse_permutation
+from k3lab.moe.latent import DispatchPlan, DispatchRows, LatentMoE, LocalDispatcher, RoutedExperts
 from k3lab.moe.router import expert_load
 from k3lab.parallel.collectives import ProcessGroup, all_gather, all_to_all, group_rank, group_size
 from k3lab.parallel.expert import check_divisible, check_home_slice
@@ -184,23 +184,36 @@ class StaticMoonEPDispatcher:
         position = first_global + ar - first_local                                        # [M] in e's global list
         bounds = alloc.cumsum(1).index_select(0, e_sorted)                                # [M, R]
         d = torch.searchsorted(bounds, position[:, None], right=True)[:, 0]               # [M] destination rank
-        send_slots = order.index_select(0, (d * E + e_sorted).argsort(stable=True))       # [M] by (d, e, p)
+        # (d, e, p) order without a sort: block (d, e) starts after every block before it, and within a block the
+        # slots keep their order in e's list; a slot's rank in its block is its rank in e less the slots of e that
+        # r sends to ranks before d
+        mine = n[r]                                                                       # [E, R(d)] r's slots
+        block_start = (mine.T.reshape(-1).cumsum(0) - mine.T.reshape(-1)).view(R, E)      # [R(d), E]
+        before_d = mine.cumsum(1) - mine                                                  # [E, R(d)]
+        at = block_start[d, e_sorted] + ar - first_local - before_d[e_sorted, d]          # [M] place in the send rows
+        send_slots = torch.empty_like(order).scatter_(0, at, order)                       # [M] by (d, e, p)
+        send_inv = torch.empty_like(order).scatter_(0, order, at)                         # [M] its inverse
         home = torch.arange(E, device=dev) // El                                          # [E]
         rep = (alloc > 0) & (home[:, None] != torch.arange(R, device=dev)[None])         # [E, R] replicas
         splits = torch.stack([n[r].sum(0), n[:, :, r].sum(1),                             # rows out, in
                               rep[r * El:(r + 1) * El].sum(0), rep[:, r].view(R, El).sum(1)])  # weights out, in
-        send_inv = inverse_permutation(send_slots)                                        # [M]
         x_recv = self._exchange(self._rows(z, send_slots, send_inv, K), splits, 0, 1, M)  # [M, L] (s, e, p)
 
-        # destination side: bank index of every received row
-        n_in = n[:, :, r].reshape(-1)                                                     # [R·E] blocks (s, e)
-        e_recv = torch.searchsorted(n_in.cumsum(0), ar, right=True) % E                   # [M] expert of each row
+        # destination side: the bank of every received row, and bank-major order without a sort: the rows of bank
+        # b are its expert's blocks (s, e) in source order
+        to_me = n[:, :, r]                                                                # [R(s), E] blocks in
+        n_in = to_me.reshape(-1)                                                          # [R·E] (s, e) order
+        block = torch.searchsorted(n_in.cumsum(0), ar, right=True)                        # [M] block of each row
         rep_rank = rep[:, r].long().cumsum(0) - 1                                         # [E] slot among mine
-        bank = torch.where(home.index_select(0, e_recv) == r, e_recv - r * El,
-                           El + rep_rank.index_select(0, e_recv))                         # [M] in [0, 2·El)
-        perm = bank.argsort(stable=True)                                                  # [M] bank-major
-        perm_inv = inverse_permutation(perm)                                              # [M]
-        bank_counts = expert_load(bank, 2 * El)                                           # [2·El] rows a group
+        bank_of = torch.where(home == r, torch.arange(E, device=dev) - r * El, El + rep_rank)  # [E] (where held)
+        rows_of = to_me.sum(0)                                                            # [E] rows of e here
+        bank_counts = torch.zeros(2 * El, dtype=torch.int64, device=dev).scatter_add_(
+            0, bank_of.clamp(0, 2 * El - 1), torch.where(rows_of > 0, rows_of, 0))      # [2·El] rows a group
+        bank_start = bank_counts.cumsum(0) - bank_counts                                  # [2·El]
+        dest = (bank_start.index_select(0, bank_of.clamp(0, 2 * El - 1))[None]
+                + to_me.cumsum(0) - to_me)                                                # [R(s), E] block starts
+        perm_inv = dest.reshape(-1).index_select(0, block) + ar - (n_in.cumsum(0) - n_in).index_select(0, block)
+        perm = torch.empty_like(perm_inv).scatter_(0, perm_inv, ar)                        # [M] bank-major
 
         weights = self._replicas(experts, rep, splits)                                    # [2·El, …] ×3
         y = experts(self._rows(x_recv, perm, perm_inv, 1), bank_counts, weights)          # [M, L] by bank
