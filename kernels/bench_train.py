@@ -55,8 +55,8 @@ the table: the rank's predicted tokens/s per GPU against ``fit`` on one GPU. Wit
 ``cuda_graph=on`` the EP exchanges are that script's capturable stand-in (:func:`uses_stand_in`);
 ``exchange=emulated`` makes them its ``emulated_exchange``, each all-to-all holding the compute stream for its
 modelled time on 16 SMs (CUDA), so the row's ms holds the exposed all-to-all time and the prediction adds the other
-collectives only (:func:`emulates_exchange`); ``overlap=false`` runs the shared expert in line instead of on its
-side stream (``ParallelOptions.shared_overlap``).
+collectives only (:func:`emulates_exchange`); ``overlap=true`` runs the shared expert on a side stream beside them
+(``ParallelOptions.shared_overlap``; default in line).
 
 Defaults: ``small-16x1024 small-8x4096 kda-anchor-8x4096 fla-kda-anchor-8x4096``.
 
@@ -361,7 +361,7 @@ def run_config(spec: Spec, args) -> dict:
                        if spec.option("ep", "1") != "1" else "")
                     + (", emulated exchange" if emulates_exchange(spec) else
                        ", stand-in exchange" if uses_stand_in(spec, cfg) else "")
-                    + (", shared expert in line" if spec.option("overlap", "true") == "false" else ""))
+                    + (", shared expert on a side stream" if spec.option("overlap", "false") == "true" else ""))
                 del model
                 history, peak, counted = run_via(via, spec, cfg, device)
         except TrainingDiverged as err:
@@ -440,7 +440,7 @@ def fit_as_fake_rank(spec: Spec, cfg, train_cfg, device) -> tuple[list[dict], di
     ranks = int(spec.option("ranks", "8"))
     parallel = ParallelOptions(reshard_after_forward=spec.option("reshard", "true") == "true",
                                ep=int(spec.option("ep", "1")), ep_plan=spec.option("ep_plan", "host"),
-                               shared_overlap=spec.option("overlap", "true") == "true")
+                               shared_overlap=spec.option("overlap", "false") == "true")
     exchange = contextlib.nullcontext()
     if emulates_exchange(spec) or uses_stand_in(spec, train_cfg):
         from k3lab.parallel.expert_static import default_exchange
@@ -487,8 +487,7 @@ def load_script_here(name: str):
 def emulates_exchange(spec: Spec) -> bool:
     """``@exchange=emulated`` (with ``ep_plan=device``): the EP exchanges are ``kernels/predict_scaling.py``'s
     ``emulated_exchange``, which holds the compute stream for each all-to-all's modelled time (CUDA), so the row's ms
-    holds the exposed all-to-all time, what the shared expert's side stream hides (``@overlap=true``, the default)
-    taken off."""
+    holds the exposed all-to-all time, what the shared expert's side stream hides (``@overlap=true``) taken off."""
     return spec.option("exchange", "stand-in") == "emulated"
 
 

@@ -53,7 +53,9 @@ rows per data-parallel rank, T tokens per sequence (global; a CP rank holds T/C)
 ``optimizer=adamw|sgd``, ``layers=N`` (k3slice), ``recompute=...``, ``rank=R`` (the simulated rank;
 default 0, or the last rank of the first CP group, which does the most causal work), ``ep_kind=moonep|ep|static``
 (``static``: MoonEP with fixed shapes, planned on the device, :mod:`k3lab.parallel.expert_static`, its exchange
-timed by :func:`fixed_size_exchange`),
+timed by :func:`fixed_size_exchange`; ``kernels/bench_train.py``'s ``exchange=emulated`` times ``fit``'s rank with
+:func:`emulated_exchange` instead, which holds the stream for each all-to-all's modelled time so that overlap shows
+in the measured step),
 ``reshard=true|false`` (FSDP2 ``reshard_after_forward``, :class:`~k3lab.parallel.parallelize.ParallelOptions`),
 ``init=device|meta`` (meta: build on the meta device, lay out, ``to_empty``, fill for timing; k3slice's
 default), ``baseline=world1|local-experts``, ``vocab=V``, ``graph=true|false`` (forward, backward and gradient

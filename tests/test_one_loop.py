@@ -453,7 +453,7 @@ def test_flags_for_gives_the_config_back():
     cfg = TrainConfig(steps=7, lr=1e-3, betas=(0.8, 0.9), warmup_steps=0, dtype="bfloat16", param_dtype="bfloat16",
                       fused_loss=True, optimizer_kwargs={"muon_lr": 0.02}, recompute="mixer", recompute_layers=2,
                       progress=False, name="x")
-    opts = ParallelOptions(cp=2, ep_kind="ep", timeout=30.0, shared_overlap=False)
+    opts = ParallelOptions(cp=2, ep_kind="ep", timeout=30.0, shared_overlap=True)
     args = build_parser().parse_args(flags_for(cfg) + flags_for(opts))
     assert dataclass_from_flags(TrainConfig, args) == cfg
     assert dataclass_from_flags(ParallelOptions, args) == opts

@@ -296,8 +296,8 @@ class LatentMoE(nn.Module):
         self.shared_experts = (SiTUMLP(D, cfg.n_shared_experts * I, **act, backend=cfg.backend)
                                if cfg.n_shared_experts > 0 else None)
         self.dispatcher = LocalDispatcher(cfg.backend)
-        # CUDA: the shared expert runs on this stream, beside the routed path (an expert-parallel run sets it:
-        # k3lab.parallel.parallelize, ParallelOptions.shared_overlap); None: in line, on the caller's stream
+        # CUDA: the shared expert runs on this stream, beside the routed path (an expert-parallel run sets it with
+        # ParallelOptions.shared_overlap=True: k3lab.parallel.parallelize); None: in line, on the caller's stream
         self.shared_stream: torch.cuda.Stream | None = None
         self.balancer = make_balancer(cfg.balancer, self.gate, num_bins=cfg.qb_num_bins,
                                       aux_loss_coef=cfg.aux_loss_coef)

@@ -58,8 +58,9 @@ class ParallelOptions:
     # profile chooses "device" on CUDA when compiled (k3lab.train.resolve_ep_plan)
     cp_layout: str = "contiguous"      # CP_LAYOUTS: how a sequence is cut over the CP ranks
     timeout: float = DEFAULT_TIMEOUT_S  # seconds every process group waits before it fails the run
-    shared_overlap: bool = True        # EP on CUDA: each LatentMoE's shared expert on a side stream, beside the
-    # dispatcher's all-to-alls (the same kernels and result; False: in line); measured in docs/scaling.md, section 4f
+    shared_overlap: bool = False       # EP on CUDA: each LatentMoE's shared expert on a side stream, beside the
+    # dispatcher's all-to-alls (the same result). Off by default: measured slower (a graphed EP rank of 8 on one H100,
+    # 220.4 ms a step against 193.9 in line: docs/scaling.md, section 4g)
     reshard_after_forward: bool = True  # FSDP2: free a sublayer's gathered weights after its forward and gather them
     # again for its backward; False keeps them until the backward (one all-gather a sublayer a step instead of two,
     # fewer hooks and copies; the gathered weights of every sublayer stay in memory through the step)
@@ -123,7 +124,7 @@ def parallelize(model: nn.Module, groups: ParallelGroups, device: torch.device, 
                 ep_plan: str = "host", cp_layout: str = "contiguous", recompute: str = "none",
                 recompute_layers: int | None = None, compile: str = "none", param_dtype: torch.dtype | None = None,
                 reduce_dtype: torch.dtype | None = None,
-                reshard_after_forward: bool = True, shared_overlap: bool = True) -> tuple[nn.Module, set[nn.Parameter]]:
+                reshard_after_forward: bool = True, shared_overlap: bool = False) -> tuple[nn.Module, set[nn.Parameter]]:
     """EP -> CP -> recompute -> compile -> FSDP on ``model`` (in place); returns ``(model, EP expert
     parameters)`` (a meta model's ``to_empty`` replaces those Parameter objects: collect them again after it).
     ``recompute``/``recompute_layers``/``compile`` as in :class:`k3lab.train.TrainConfig`; ``param_dtype``:
