@@ -43,8 +43,8 @@ What a replay needs, and what this module checks or arranges:
   :class:`~k3lab.model.LossShard`, whose global label counts are device tensors that ``fit`` refills before
   each replay). FSDP2's all-gathers, reduce-scatters and side-stream waits are recorded in the capture. Its
   update is a graph too: ``before_after_step`` records the rank's QK-Clip max all-reduce before the balancers'
-  update, whose own all-reduces are recorded with it (eager, the update's ~650 small launches left a fake rank
-  of 8's GPU idle ~25 ms a step on one H100, 2026-12-07). Expert parallelism is captured with MoonEP planned on
+  update, whose own all-reduces are recorded with it (eager, it was ~650 launches a step outside the graph: a
+  profile of a fake rank of 8 on one H100, 2026-12-07, ``docs/scaling.md`` section 4g). Expert parallelism is captured with MoonEP planned on
   the device and a capturable exchange (:mod:`k3lab.parallel.expert_static`); the host-planned dispatcher reads its
   all-to-all sizes on the host and cannot be.
 

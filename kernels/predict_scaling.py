@@ -557,6 +557,9 @@ class _EmulatedExchange(torch.autograd.Function):
 def _timed_all_to_all(x, rows: int, group, link: Link, sms: int):
     """:func:`_fixed_size_all_to_all`, with the caller's stream held until the modelled time of that all-to-all
     (nccl-tests size: its buffer) has passed since a device timestamp taken before it."""
+    if x.device.type != "cuda":
+        raise ValueError(f"emulated_exchange: its timer runs on a CUDA GPU; the rows are on {x.device} (use "
+                         "fixed_size_exchange, the stand-in without the time)")
     stamp, wait_until = _timer_kernels()
     n = dist.get_world_size(group)
     numel = min(rows, x.shape[0]) * x[0].numel()

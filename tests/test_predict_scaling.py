@@ -302,6 +302,15 @@ def test_emulated_exchange_takes_its_modelled_time_and_moves_the_stand_ins_rows(
         assert torch.equal(x.grad, torch.ones_like(x))
 
 
+def test_the_emulated_exchange_refuses_the_cpu_by_name():
+    import torch
+
+    ps = load_script()
+    with ps.fake_rank(2, 0, torch.device("cpu")), pytest.raises(ValueError, match="emulated_exchange: its timer runs "
+                                                                                   "on a CUDA GPU"):
+        ps.emulated_exchange(ps.LINKS["nvlink8"])(torch.ones(4, 2), None, None, 4, None)
+
+
 def test_a_rank_with_the_emulated_exchange_adds_the_other_collectives_only():
     """bench_train's prediction for a fake rank whose ms already holds its all-to-alls (``exchange=emulated``):
     the same step model without the all-to-all records, their modelled time reported apart."""

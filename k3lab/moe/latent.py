@@ -325,8 +325,9 @@ class LatentMoE(nn.Module):
     def _shared_fork(self, h: Tensor) -> Tensor:
         """The shared expert of ``h [N, D]`` on :attr:`shared_stream`, launched before the routed path, so that its
         kernels run beside the dispatcher's (an expert-parallel dispatcher's all-to-alls block the caller's stream).
-        Autograd runs a node's backward on its forward's stream, so the backward overlaps too. The same kernels as in
-        line: the same result."""
+        Autograd runs a node's backward on its forward's stream, so the backward overlaps too. The same math as in
+        line (eager, the same kernels; compiled, this expert runs eager between the compiled pieces). Measured slower
+        than in line on one H100 (``docs/scaling.md``, section 4g), so off unless asked for."""
         side, caller = self.shared_stream, torch.cuda.current_stream(h.device)
         side.wait_stream(caller)                   # h (and the gathered weights) are ready
         with torch.cuda.stream(side):
