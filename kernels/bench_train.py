@@ -60,6 +60,10 @@ collectives only (:func:`emulates_exchange`); ``overlap=true`` runs the shared e
 
 Defaults: ``small-16x1024 small-8x4096 kda-anchor-8x4096 fla-kda-anchor-8x4096``.
 
+``--torch-profile TOP``: each config runs one more step, under ``torch.profiler`` and left out of the timing (a
+graphed step's kernels are listed too); the rows get its summary and the lines after the table print its TOP ops by
+device and host time (``kernels/predict_scaling.py``'s ``summarize_profile``; ``docs/scaling.md``, section 4g).
+
 Every config trains in a fresh process (so no memory, compile cache or autotuning state carries over)
 through ``k3lab.train.fit`` — the trainer itself: bf16 autocast (``--dtype``) with fp32 weights, or bf16
 weights and fp32 master weights with ``--param-dtype bfloat16`` (k3lab models; needs ``--dtype bfloat16``),
@@ -180,7 +184,39 @@ def train_settings(args) -> dict:
     """The command line's TrainConfig settings (over :data:`TRAIN_DEFAULTS`), with fit's step count
     (1 + warm-up + timed) and no progress bar."""
     values = dict(TRAIN_DEFAULTS, **{k: getattr(args, k) for k in train_flags() if hasattr(args, k)})
-    return dict(values, steps=1 + args.warmup + args.steps, progress=False)
+    profiled = 1 if getattr(args, "torch_profile", 0) else 0  # --torch-profile: one more step, the profiled one
+    return dict(values, steps=1 + args.warmup + args.steps + profiled, progress=False)
+
+
+class StepProfiler:
+    """``--torch-profile TOP``: ``torch.profiler`` over fit's last step (its ``on_step`` hook starts the profiler after
+    the step before and stops it after that one, each after a device sync); ``result`` is
+    ``kernels/predict_scaling.py``'s ``summarize_profile`` of it (None until then)."""
+
+    def __init__(self, last_step: int, device, top: int):
+        self.last_step, self.device, self.top = last_step, device, top
+        self.prof, self.t0, self.result = None, 0.0, None
+
+    def _sync(self):
+        import torch
+
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def on_step(self, step: int, _row) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        if step == self.last_step - 1:
+            self._sync()
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+            self.prof, self.t0 = profile(activities=activities), time.perf_counter()
+            self.prof.start()
+        elif step == self.last_step and self.prof is not None:
+            self._sync()
+            wall = time.perf_counter() - self.t0
+            self.prof.stop()
+            ps = sys.modules.get("predict_scaling") or load_script_here("predict_scaling.py")
+            self.result = ps.summarize_profile(self.prof, wall, self.top)
 
 
 def train_config(spec: Spec, base: dict, **fixed) -> TrainConfig:
@@ -348,11 +384,13 @@ def run_config(spec: Spec, args) -> dict:
         if device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
+        profiler = StepProfiler(cfg.steps - 1, device, args.torch_profile) if args.torch_profile else None
+        on_step = profiler.on_step if profiler is not None else None
         via = None if is_fla else spec.option("via", None)
         t0 = time.perf_counter()
         try:
             if via is None:
-                history, peak, counted = fit(model, batches, cfg).history, None, None
+                history, peak, counted = fit(model, batches, cfg, on_step=on_step).history, None, None
             else:
                 row["via"] = via if via != "fake-rank" else (
                     f"fake rank of {spec.option('ranks', '8')}" + (", reshard=false" if spec.option("reshard", "true")
@@ -363,12 +401,12 @@ def run_config(spec: Spec, args) -> dict:
                        ", stand-in exchange" if uses_stand_in(spec, cfg) else "")
                     + (", shared expert on a side stream" if spec.option("overlap", "false") == "true" else ""))
                 del model
-                history, peak, counted = run_via(via, spec, cfg, device)
+                history, peak, counted = run_via(via, spec, cfg, device, on_step=on_step)
         except TrainingDiverged as err:
             return dict(row, status=f"diverged: {err}", peak_mem_gib=_peak_memory_gib(device))
         wall = time.perf_counter() - t0
         elapsed = [r["elapsed"] for r in history]
-        times = [b - a for a, b in zip(elapsed[:-1], elapsed[1:])][args.warmup:]
+        times = [b - a for a, b in zip(elapsed[:-1], elapsed[1:])][args.warmup:][:args.steps]  # not the profiled one
         dt = statistics.median(times)
         tokens_per_s = spec.B * spec.T / dt
         row.update(ms_per_step=1e3 * dt, ms_per_step_min=1e3 * min(times), tokens_per_s=tokens_per_s,
@@ -378,7 +416,8 @@ def run_config(spec: Spec, args) -> dict:
                    **({} if not counted else dict(counted=counted, **predicted_step(
                        1e3 * dt, counted, in_compute=("all_to_all",) if emulates_exchange(spec) else ()))),
                    first_step_s=elapsed[0], loss_first=history[0]["loss"], loss=history[-1]["loss"],
-                   steps_timed=len(times), wall_s=wall)
+                   steps_timed=len(times), wall_s=wall,
+                   **({"profile": profiler.result} if profiler is not None and profiler.result else {}))
     except Exception as err:  # noqa: BLE001 — a row per config, whatever happened
         if _oom(err):
             return dict(row, status="OOM", peak_mem_gib=_peak_memory_gib(device), error=str(err)[:500])
@@ -389,7 +428,7 @@ def run_config(spec: Spec, args) -> dict:
     return row
 
 
-def run_via(via: str, spec: Spec, train_cfg, device) -> tuple[list[dict], float | None, dict | None]:
+def run_via(via: str, spec: Spec, train_cfg, device, on_step=None) -> tuple[list[dict], float | None, dict | None]:
     """``@via=fit|cli|fake-rank``: (history, peak GiB or None, a fake rank's counted collectives or None) of the one
     loop reached in the process or by the command line, on the model and batches the command line builds (seed 0 on
     the CPU; ``batches_for("random", ...)``)."""
@@ -402,10 +441,11 @@ def run_via(via: str, spec: Spec, train_cfg, device) -> tuple[list[dict], float 
         raise ValueError(f"config {spec.name!r}: via= runs the command line's presets only (small, tiny)")
     cfg = k3lab_config(spec.model)
     if via == "fit":
-        history = fit(lambda: K3ForCausalLM(cfg), batches_for("random", cfg, spec.B, spec.T, 0), train_cfg).history
+        history = fit(lambda: K3ForCausalLM(cfg), batches_for("random", cfg, spec.B, spec.T, 0), train_cfg,
+                      on_step=on_step).history
         return history, None, None
     if via == "fake-rank":
-        history, counted = fit_as_fake_rank(spec, cfg, train_cfg, device)
+        history, counted = fit_as_fake_rank(spec, cfg, train_cfg, device, on_step)
         return history, None, counted
     with tempfile.TemporaryDirectory(prefix="bench-cli-") as tmp:
         out = os.path.join(tmp, "metrics.json")
@@ -422,7 +462,7 @@ def run_via(via: str, spec: Spec, train_cfg, device) -> tuple[list[dict], float 
     return summary["history"], summary.get("peak_mem_gib"), None
 
 
-def fit_as_fake_rank(spec: Spec, cfg, train_cfg, device) -> tuple[list[dict], dict]:
+def fit_as_fake_rank(spec: Spec, cfg, train_cfg, device, on_step=None) -> tuple[list[dict], dict]:
     """``@via=fake-rank``: ``fit`` as rank 0 of ``ranks`` (default 8) in PyTorch's fake process group, FSDP alone or
     with ``ep=N`` (MoonEP over N of the ranks, ``ep_plan=host|device``: ``ParallelOptions.ep_plan``; every rank
     routes like this one, so the plan's split sizes agree) (``reshard=false``:
@@ -449,7 +489,9 @@ def fit_as_fake_rank(spec: Spec, cfg, train_cfg, device) -> tuple[list[dict], di
                                     else ps.fixed_size_exchange)
     counted = {}
 
-    def count_step_two(step, _row):  # the second step runs eager at every setting (a graph captures the third)
+    def count_step_two(step, row):  # the second step runs eager at every setting (a graph captures the third)
+        if on_step is not None:
+            on_step(step, row)
         counter.counting = step == 1
         if step == 2:
             counted.update(counter.summary())
@@ -572,6 +614,7 @@ def child_command(name: str, out: str, args) -> list[str]:
     return [sys.executable, os.path.abspath(__file__), "--child", name, "--child-out", out,
             "--steps", str(args.steps), "--warmup", str(args.warmup), "--device", args.device,
             "--peak-flops", repr(args.peak_flops), "--fla-weights", args.fla_weights,
+            "--torch-profile", str(args.torch_profile),
             *flags_for(TrainConfig(**train_settings(args)), skip=TRAIN_SKIP)]
 
 
@@ -609,6 +652,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="unpack this tarball of Triton autotune results into TRITON_CACHE_DIR first")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per config (default %(default)s)")
     parser.add_argument("--json", default=None, help="write every row (and the settings) to this file")
+    parser.add_argument("--torch-profile", type=int, default=0, metavar="TOP",
+                        help="run one more step per config under torch.profiler (not timed) and print its TOP ops "
+                             "by device and host time, its kernel count and kernel time (default 0: off)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
     add_dataclass_flags(parser, TrainConfig, skip=TRAIN_SKIP, defaults=TRAIN_DEFAULTS,
@@ -657,6 +703,10 @@ def main(argv=None):
     print(markdown_table(rows))
     for line in via_comparison(rows):
         print(line)
+    if args.torch_profile:  # one untimed step of each config under torch.profiler
+        ps = sys.modules.get("predict_scaling") or load_script_here("predict_scaling.py")
+        for row in rows:
+            ps.print_profile(row)
     if args.json:
         settings = {k: v for k, v in vars(args).items() if not k.startswith("child")}
         with open(args.json, "w") as f:

@@ -829,7 +829,12 @@ def profile_step(step, device: torch.device, top: int) -> dict:
     with profile(activities=activities) as prof:
         step()
         _sync(device)
-    wall = time.perf_counter() - t0
+    return summarize_profile(prof, time.perf_counter() - t0, top)
+
+
+def summarize_profile(prof, wall: float, top: int) -> dict:
+    """A finished ``torch.profiler`` run of one step, ``wall`` seconds long: the dict :func:`print_profile` prints
+    (wall ms, the summed kernel time, the kernel count, the ``top`` ops by self device and by self host time)."""
     events = prof.key_averages()
     dev_time = lambda e: getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0))  # noqa: E731
     kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]

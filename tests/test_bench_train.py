@@ -226,3 +226,21 @@ def test_cpu_run_writes_finite_rows(tmp_path):
     assert fla["status"].startswith("skipped") and "ms_per_step" not in fla
     lines = proc.stdout.strip().splitlines()
     assert lines[-2].startswith("| tiny-2x64 | k3lab") and lines[-1].startswith("| fla-kda-anchor-2x64 | fla")
+
+
+def test_torch_profile_adds_one_untimed_profiled_step():
+    """``--torch-profile TOP``: fit runs one more step, which is profiled (its top ops by host time: the model's
+    matmuls among them) and left out of the timing; without it, no profile and no extra step."""
+    bench = load_bench()
+    for top in (0, 30):
+        args = bench.build_parser().parse_args(["--device", "cpu", "--dtype", "float32", "--steps", "2", "--warmup", "1",
+                                                "--torch-profile", str(top)])
+        row = bench.run_config(bench.parse_config("tiny-2x32"), args)
+        assert row["status"] == "ok" and row["steps_timed"] == 2
+        assert len(row["losses"]) == 1 + 1 + 2 + (1 if top else 0)
+        if not top:
+            assert "profile" not in row
+            continue
+        prof = row["profile"]
+        assert prof["wall_ms"] > 0 and 0 < len(prof["top_host"]) <= top
+        assert any(name in ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear") for name, _, _ in prof["top_host"])
