@@ -407,7 +407,8 @@ def _setup(model, cfg: TrainConfig, parallel, first_batch_shape) -> _Run:
                                recompute_layers=cfg.recompute_layers, compile=cfg.compile, param_dtype=bf16_compute,
                                reduce_dtype=torch.float32 if on_shards else None,
                                reshard_after_forward=getattr(parallel, "reshard_after_forward", True),
-                               shared_overlap=getattr(parallel, "shared_overlap", False))
+                               shared_overlap=getattr(parallel, "shared_overlap", False),
+                               ep_chunks=getattr(parallel, "ep_chunks", 1))
     if meta:
         from k3lab.parallel.materialize import materialize_from_rank0
 

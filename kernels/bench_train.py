@@ -44,7 +44,7 @@ it) and the same batches
 and peak memory and the largest relative difference of their per-step losses.
 
 ``@via=fake-rank[,ranks=2|4|8][,reshard=true|false][,ep=2|4|8[,ep_plan=host|device][,exchange=stand-in|emulated]
-[,overlap=true|false]]``: ``fit`` as rank 0 of a
+[,overlap=true|false][,chunks=1|2|4]]``: ``fit`` as rank 0 of a
 sharded run (FSDP alone, or with MoonEP over ``ep`` of the ranks; 8 ranks by
 default) in PyTorch's fake process group, every collective free, the rank holding the config's B × T tokens: the
 sharded step as ``fit`` runs it (masters, graphs and all), timed on one GPU, against the one-GPU ``@via=fit`` row
@@ -56,7 +56,8 @@ the table: the rank's predicted tokens/s per GPU against ``fit`` on one GPU. Wit
 ``exchange=emulated`` makes them its ``emulated_exchange``, each all-to-all holding the compute stream for its
 modelled time on 16 SMs (CUDA), so the row's ms holds the exposed all-to-all time and the prediction adds the other
 collectives only (:func:`emulates_exchange`); ``overlap=true`` runs the shared expert on a side stream beside them
-(``ParallelOptions.shared_overlap``; default in line).
+(``ParallelOptions.shared_overlap``; default in line); ``chunks=2|4`` cuts each MoE layer's tokens into chunks whose
+exchanges run on a communication stream beside the other chunks' experts (``ParallelOptions.ep_chunks``).
 
 Defaults: ``small-16x1024 small-8x4096 kda-anchor-8x4096 fla-kda-anchor-8x4096``.
 
@@ -165,8 +166,8 @@ TRAIN_DEFAULTS = {"dtype": "bfloat16", "lr": 1e-3, "warmup_steps": 0}  # where t
 # per-config options that are not TrainConfig fields (ranks, reshard, ep, ep_plan: via=fake-rank only)
 BENCH_OPTIONS = {"via": ("fit", "cli", "fake-rank"), "ranks": ("2", "4", "8"), "reshard": ("true", "false"),
                  "ep": ("1", "2", "4", "8"), "ep_plan": EP_PLANS, "exchange": ("stand-in", "emulated"),
-                 "overlap": ("true", "false")}
-RANK_OPTIONS = ("ranks", "reshard", "ep", "ep_plan", "exchange", "overlap")
+                 "overlap": ("true", "false"), "chunks": ("1", "2", "4")}
+RANK_OPTIONS = ("ranks", "reshard", "ep", "ep_plan", "exchange", "overlap", "chunks")
 # fla's model: the k3lab-only settings, whatever the command line or the config says (its row shows them)
 FLA_SETTINGS = dict(param_dtype="float32", moment_dtype="float32", master_format="float32", compile="none",
                     recompute="none", recompute_layers=None, cuda_graph=False, fused_loss=False)
@@ -399,7 +400,8 @@ def run_config(spec: Spec, args) -> dict:
                        if spec.option("ep", "1") != "1" else "")
                     + (", emulated exchange" if emulates_exchange(spec) else
                        ", stand-in exchange" if uses_stand_in(spec, cfg) else "")
-                    + (", shared expert on a side stream" if spec.option("overlap", "false") == "true" else ""))
+                    + (", shared expert on a side stream" if spec.option("overlap", "false") == "true" else "")
+                    + (f", {spec.option('chunks', '1')} chunks" if spec.option("chunks", "1") != "1" else ""))
                 del model
                 history, peak, counted = run_via(via, spec, cfg, device, on_step=on_step)
         except TrainingDiverged as err:
@@ -480,7 +482,8 @@ def fit_as_fake_rank(spec: Spec, cfg, train_cfg, device, on_step=None) -> tuple[
     ranks = int(spec.option("ranks", "8"))
     parallel = ParallelOptions(reshard_after_forward=spec.option("reshard", "true") == "true",
                                ep=int(spec.option("ep", "1")), ep_plan=spec.option("ep_plan", "host"),
-                               shared_overlap=spec.option("overlap", "false") == "true")
+                               shared_overlap=spec.option("overlap", "false") == "true",
+                               ep_chunks=int(spec.option("chunks", "1")))
     exchange = contextlib.nullcontext()
     if emulates_exchange(spec) or uses_stand_in(spec, train_cfg):
         from k3lab.parallel.expert_static import default_exchange

@@ -224,6 +224,72 @@ def test_the_compiled_static_dispatcher_on_cuda_equals_eager():
     assert all(max(e.values()) <= 1e-4 for e in errs.values()), report
 
 
+def test_chunks_must_split_the_tokens_evenly():
+    """``ep_chunks`` cuts a layer's tokens into equal chunks (fixed buffer shapes): 128 tokens in 3 are refused,
+    naming the option; in 2 they run, each chunk's plan giving every rank half the slots."""
+    import torch.distributed as dist
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401 — registers the "fake" backend
+
+    from k3lab.config import ModelConfig
+    from k3lab.moe.latent import LatentMoE
+    from k3lab.parallel.expert import apply_expert_parallel
+    from k3lab.parallel.expert_static import apply_static_moonep
+
+    cfg = ModelConfig.preset("tiny").replace(n_routed_experts=8, num_experts_per_tok=2)
+    x = torch.randn(2, 64, cfg.hidden_size)
+    dist.init_process_group("fake", rank=0, world_size=2, store=dist.HashStore())
+    try:
+        for chunks in (3, 2):
+            torch.manual_seed(0)
+            moe = apply_static_moonep(apply_expert_parallel(LatentMoE(cfg), None), None, _own_rows, chunks=chunks)
+            if chunks == 3:
+                with pytest.raises(ValueError, match=r"128 tokens do not split into ParallelOptions.ep_chunks=3"):
+                    moe(x)
+            else:
+                assert moe(x).shape == x.shape
+                assert moe.dispatcher.last_slots_per_rank.tolist() == [128 * 2] * 2  # two chunks of 64 · K each
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+def test_chunks_on_a_communication_stream_equal_the_same_chunks_in_line():
+    """``ParallelOptions.ep_chunks=2`` on CUDA: each chunk's exchanges on the communication stream, its experts waiting
+    on its own exchanges only, give what the same two chunks give with the exchanges in line on the caller's stream:
+    the output and every gradient within 1e-6 (fp32), eager and compiled (rank 0 of a 2-rank fake group, the
+    stand-in exchange)."""
+    import torch.distributed as dist
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401 — registers the "fake" backend
+
+    from k3lab.config import ModelConfig
+    from k3lab.moe.latent import LatentMoE
+    from k3lab.parallel.expert import apply_expert_parallel
+    from k3lab.parallel.expert_static import apply_static_moonep
+    from k3lab.testing import assert_close, eager_and_compiled
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    cfg = ModelConfig.preset("tiny").replace(n_routed_experts=8, num_experts_per_tok=2)
+
+    def build(stream):
+        return lambda: apply_static_moonep(apply_expert_parallel(LatentMoE(cfg), None), None, _own_rows, chunks=2,
+                                           comm_stream=stream).to("cuda")
+
+    def make_input():
+        return torch.randn(4, 64, cfg.hidden_size, generator=torch.Generator().manual_seed(3)).cuda()
+
+    dist.init_process_group("fake", rank=0, world_size=2, store=dist.HashStore())
+    try:
+        in_line = eager_and_compiled(build(None), make_input, "inductor")
+        beside = eager_and_compiled(build(torch.cuda.Stream()), make_input, "inductor")
+    finally:
+        dist.destroy_process_group()
+    for want, got in zip(in_line, beside):
+        for key, ref in want.items():
+            if ref is not None:
+                assert_close(key, ref, got[key], 1e-6)
+
+
 def test_default_exchange_is_the_reference_outside_its_block():
     """``apply_static_moonep`` without an exchange takes :func:`current_exchange`: the reference, or inside
     ``default_exchange(fn)`` (how a timing harness gives ``fit`` its capturable stand-in) ``fn``, nested blocks

@@ -107,10 +107,11 @@ def dispatch_vs_one_process(rank: int, world: int) -> dict:
             y_ref = ref.dispatcher.run(z_ref, idx, w_ref, ref.experts)                   # [W·S, L]
             (y_ref * gy).sum().backward()
             mine = slice(rank * S, (rank + 1) * S)
-            for kind in EP_KINDS + ("moonep-static",):  # the fixed-shape MoonEP (k3lab.parallel.expert_static) too
-                ep = apply_expert_parallel(copy.deepcopy(base), None, kind.removesuffix("-static"))
-                if kind == "moonep-static":
-                    ep = apply_static_moonep(ep, None)
+            # the fixed-shape MoonEP (k3lab.parallel.expert_static) too, and cut into two chunks (ep_chunks=2)
+            for kind in EP_KINDS + ("moonep-static", "moonep-static-chunks"):
+                ep = apply_expert_parallel(copy.deepcopy(base), None, kind.split("-")[0])
+                if kind.startswith("moonep-static"):
+                    ep = apply_static_moonep(ep, None, chunks=2 if kind.endswith("chunks") else 1)
                 z_ep, w_ep = z[mine].clone().requires_grad_(), w[mine].clone().requires_grad_()
                 y = ep.dispatcher.run(z_ep, idx[mine], w_ep, ep.experts)                 # [S, L]
                 (y * gy[mine]).sum().backward()
@@ -120,9 +121,12 @@ def dispatch_vs_one_process(rank: int, world: int) -> dict:
                 for name in ("w1", "w3", "w2"):
                     got = all_gather(getattr(ep.experts, name).grad, None)
                     errs[f"grad {name}"] = rel_err(got, getattr(ref.experts, name).grad)
-                if kind == "moonep-static":  # its device plan, the host planner's plan of the same counts
+                if kind.startswith("moonep-static"):  # its device plan, the host planner's plan of the same counts
                     plan = plan_moonep(tokens_per_expert(idx.view(world, S, K), E), K)
-                    errs["alloc"] = float((ep.dispatcher.last_alloc != plan.alloc).sum())
+                    if kind == "moonep-static":  # (each chunk has its own plan: their slots add up below)
+                        errs["alloc"] = float((ep.dispatcher.last_alloc != plan.alloc).sum())
+                    else:
+                        errs["slots"] = float((ep.dispatcher.last_slots_per_rank != torch.as_tensor(plan.slots)).sum())
                 else:
                     plan = ep.dispatcher.last_plan
                 out[(case, seed, kind)] = dict(errs=errs, slots=plan.slots.tolist(),
@@ -135,6 +139,7 @@ def dispatch_vs_one_process(rank: int, world: int) -> dict:
 
 TRAIN_WORLDS = (4, 8)  # world sizes at which whole training runs are compared too (in the same processes)
 COMPILED_WORLD = 2  # and the world size of the compiled runs (compile="sublayer": inductor, both plans)
+CHUNKS_WORLD = 4  # and of the run with ParallelOptions.ep_chunks=2
 
 
 def dispatch_and_train(rank: int, world: int) -> dict:
@@ -143,6 +148,8 @@ def dispatch_and_train(rank: int, world: int) -> dict:
     out = {"dispatch": dispatch_vs_one_process(rank, world)}
     if world in TRAIN_WORLDS:
         out["train"] = {plan: _train_worker(rank, world, world, plan) for plan in EP_PLANS}
+        if world == CHUNKS_WORLD:  # the device plan with each MoE layer's tokens in two chunks (ep_chunks=2)
+            out["train"]["device, 2 chunks"] = _train_worker(rank, world, world, "device", chunks=2)
     if world == COMPILED_WORLD:
         out["compiled"] = {plan: _train_worker(rank, world, world, plan, compile="sublayer", steps=2)
                            for plan in EP_PLANS}
@@ -214,11 +221,11 @@ def _cfg():
     return ModelConfig.preset("tiny")
 
 
-def _train_worker(rank, world, ep, plan, **train):
+def _train_worker(rank, world, ep, plan, chunks=1, **train):
     warnings.filterwarnings("ignore", category=FutureWarning)
     cfg = _cfg()
     return fit(lambda: K3ForCausalLM(cfg), _batches(), _train_cfg(**train),
-               parallel=ParallelOptions(ep=ep, ep_plan=plan)).summary()
+               parallel=ParallelOptions(ep=ep, ep_plan=plan, ep_chunks=chunks)).summary()
 
 
 def test_training_with_moonep_equals_one_process(ranks):
@@ -231,13 +238,14 @@ def test_training_with_moonep_equals_one_process(ranks):
         pytest.skip(f"whole runs are compared at {TRAIN_WORLDS} ranks")
     torch.manual_seed(0)
     ref = [r["loss"] for r in fit(K3ForCausalLM(_cfg()), _batches(), _train_cfg()).history]
-    for plan in EP_PLANS:
+    for plan in results[0]["train"]:  # EP_PLANS, and at CHUNKS_WORLD the device plan in two chunks
         runs = [r["train"][plan] for r in results]
         assert all(r["losses"] == runs[0]["losses"] for r in runs), plan
         for a, b in zip(runs[0]["losses"], ref):
             assert abs(a - b) / b < 1e-5, (plan, runs[0]["losses"], ref)
         assert runs[0]["slots_per_rank"] and all(len(set(slots)) == 1 for slots in runs[0]["slots_per_rank"]), plan
-        assert runs[0]["dispatchers"] == [{"host": "ExpertParallelDispatcher", "device": "StaticMoonEPDispatcher"}[plan]]
+        assert runs[0]["dispatchers"] == [{"host": "ExpertParallelDispatcher"}.get(plan, "StaticMoonEPDispatcher")]
+    assert len(results[0]["train"]) == len(EP_PLANS) + (world == CHUNKS_WORLD)
 
 
 @pytest.mark.traced

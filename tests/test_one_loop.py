@@ -414,6 +414,7 @@ def _cli(*args):
     (["--timeout", "0"], "error: --timeout: must be a finite number of seconds > 0"),
     (["--ep", "3"], "error: --ep: must divide the dp_shard·cp = 1 ranks it borrows"),
     (["--ep-plan", "device", "--ep-kind", "ep"], "error: --ep-plan: 'device' plans MoonEP only: with ep_kind='ep' use"),
+    (["--ep-chunks", "2"], "error: --ep-chunks: chunks need MoonEP planned on the device: set ep_plan='device'"),
     (["--recompute-layers", "2"], "error: --recompute-layers: needs TrainConfig.recompute in"),
     (["--bogus", "1"], "error: unrecognized arguments: --bogus 1"),
     (["--steps"], "error: argument --steps: expected one argument"),

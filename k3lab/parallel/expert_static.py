@@ -163,10 +163,31 @@ class StaticMoonEPDispatcher:
         self.last_slots_per_rank: Tensor | None = None
         self._host: tuple[Tensor, Tensor] | None = None  # (the forward's split sizes, their host copy)
         self.host_reads = 0  # device-to-host copies of split sizes so far (one a forward with exchange_reference)
+        self.chunks = 1  # ParallelOptions.ep_chunks: the tokens cut into this many chunks, each planned and sent alone
+        self.comm_stream: torch.cuda.Stream | None = None  # CUDA with chunks > 1: where the exchanges run
+        self._done: dict[tuple[int, int], torch.cuda.Event] = {}  # (chunk, exchange) -> its end on comm_stream
 
     def run(self, z: Tensor, topk_idx: Tensor, topk_weight: Tensor, experts: RoutedExperts) -> Tensor:
-        R, r, E, El = self.num_ranks, self.rank, self.num_experts, self.num_local
+        R, r, E, C = self.num_ranks, self.rank, self.num_experts, self.chunks
         check_home_slice(experts, E, R, r)
+        S = topk_idx.shape[0]
+        if S % C:
+            raise ValueError(f"StaticMoonEPDispatcher: {S} tokens do not split into ParallelOptions.ep_chunks={C} "
+                             "equal chunks (the chunks' buffers have fixed shapes)")
+        # every chunk planned and sent before any is computed: with a communication stream (CUDA, chunks > 1) the
+        # next chunk's exchange runs beside this chunk's experts, and this chunk's return beside the next one's
+        flights = [self._send(zc, ic, experts, c) for c, (zc, ic) in enumerate(zip(z.chunk(C), topk_idx.chunk(C)))]
+        for c, f in enumerate(flights):
+            self._compute(f, experts, c)
+        out = [self._combine(f, wc, c) for c, (f, wc) in enumerate(zip(flights, topk_weight.chunk(C)))]
+        self.last_alloc = sum(f["alloc"] for f in flights)                                # [E, R]
+        self.last_slots_per_rank = sum(f["n"].sum((0, 1)) for f in flights)              # [R]
+        return out[0] if C == 1 else torch.cat(out)                                      # [S, L] fp32
+
+    def _send(self, z: Tensor, topk_idx: Tensor, experts: RoutedExperts, c: int) -> dict:
+        """Steps 1–2 and 4 of the class docstring for one chunk: the plan, the rows out and the replica weights in
+        (the exchanges started); the state the later steps read."""
+        R, r, E, El = self.num_ranks, self.rank, self.num_experts, self.num_local
         S, K = topk_idx.shape
         M, dev = S * K, z.device
         ar = torch.arange(M, device=dev)                                                  # [M]
@@ -197,10 +218,19 @@ class StaticMoonEPDispatcher:
         rep = (alloc > 0) & (home[:, None] != torch.arange(R, device=dev)[None])         # [E, R] replicas
         splits = torch.stack([n[r].sum(0), n[:, :, r].sum(1),                             # rows out, in
                               rep[r * El:(r + 1) * El].sum(0), rep[:, r].view(R, El).sum(1)])  # weights out, in
-        x_recv = self._exchange(self._rows(z, send_slots, send_inv, K), splits, 0, 1, M)  # [M, L] (s, e, p)
+        x_recv = self._exchange(self._rows(z, send_slots, send_inv, K), splits, 0, 1, M, (c, 0))  # [M, L] (s, e, p)
+        weights = self._replicas(experts, rep, splits, (c, 1))                            # [2·El, …] ×3
+        return dict(S=S, K=K, M=M, n=n, alloc=alloc, rep=rep, home=home, counts=counts, splits=splits,
+                    send_slots=send_slots, send_inv=send_inv, x_recv=x_recv, weights=weights)
 
-        # destination side: the bank of every received row, and bank-major order without a sort: the rows of bank
-        # b are its expert's blocks (s, e) in source order
+    def _compute(self, f: dict, experts: RoutedExperts, c: int) -> None:
+        """Steps 3 and 5 for one chunk: the received rows bank-major, the grouped expert call, the rows back
+        (exchange started). Sets ``f["y_back"]``."""
+        R, r, E, El = self.num_ranks, self.rank, self.num_experts, self.num_local
+        n, rep, home, M, dev = f["n"], f["rep"], f["home"], f["M"], f["x_recv"].device
+        ar = torch.arange(M, device=dev)                                                  # [M]
+        # the bank of every received row, and bank-major order without a sort: the rows of bank b are its expert's
+        # blocks (s, e) in source order
         to_me = n[:, :, r]                                                                # [R(s), E] blocks in
         n_in = to_me.reshape(-1)                                                          # [R·E] (s, e) order
         block = torch.searchsorted(n_in.cumsum(0), ar, right=True)                        # [M] block of each row
@@ -215,13 +245,17 @@ class StaticMoonEPDispatcher:
         perm_inv = dest.reshape(-1).index_select(0, block) + ar - (n_in.cumsum(0) - n_in).index_select(0, block)
         perm = torch.empty_like(perm_inv).scatter_(0, perm_inv, ar)                        # [M] bank-major
 
-        weights = self._replicas(experts, rep, splits)                                    # [2·El, …] ×3
-        y = experts(self._rows(x_recv, perm, perm_inv, 1), bank_counts, weights)          # [M, L] by bank
+        self._wait((c, 0))
+        self._wait((c, 1))
+        y = experts(self._rows(f["x_recv"], perm, perm_inv, 1), bank_counts, f["weights"])  # [M, L] by bank
         y_recv = self._rows(y, perm_inv, perm, 1)                                         # [M, L] (s, e, p) order
-        y_back = self._exchange(y_recv, splits, 1, 0, M)                                  # [M, L] (d, e, p) order
-        self.last_alloc, self.last_slots_per_rank = alloc, n.sum((0, 1))                  # [E, R], [R]
-        plan = DispatchPlan(send_slots, counts, S, K, inverse=send_inv)
-        return self._local.combine(y_back, plan, topk_weight)                            # [S, L] fp32
+        f["y_back"] = self._exchange(y_recv, f["splits"], 1, 0, M, (c, 2))                # [M, L] (d, e, p) order
+
+    def _combine(self, f: dict, topk_weight: Tensor, c: int) -> Tensor:
+        """The chunk's rows back in token order, weighted and summed: ``[S, L]`` fp32."""
+        self._wait((c, 2))
+        plan = DispatchPlan(f["send_slots"], f["counts"], f["S"], f["K"], inverse=f["send_inv"])
+        return self._local.combine(f["y_back"], plan, topk_weight)
 
     def _rows(self, x: Tensor, order: Tensor, inverse: Tensor, k: int) -> Tensor:
         """``x[order // k]`` ([M, L]; ``inverse`` the inverse permutation of ``order``), as the local dispatcher's
@@ -235,17 +269,38 @@ class StaticMoonEPDispatcher:
         return all_gather(counts, self.group)
 
     @torch.compiler.disable  # the exchange may read its split sizes on the host (exchange_reference): eager
-    def _exchange(self, x: Tensor, splits: Tensor, i_send: int, i_recv: int, rows_out: int) -> Tensor:
+    def _exchange(self, x: Tensor, splits: Tensor, i_send: int, i_recv: int, rows_out: int,
+                  key: tuple[int, int]) -> Tensor:
         """The exchange of ``x`` with rows ``splits[i_send]`` out and ``splits[i_recv]`` in (``splits [4, R]``: rows
         out, rows in, weight rows out, weight rows in). For an exchange with ``host_splits`` the first call of a
-        forward copies ``splits`` to the host and the next ones reuse it (one device-to-host read a forward)."""
+        chunk's forward copies ``splits`` to the host and the next ones reuse it (one device-to-host read a chunk).
+        With :attr:`comm_stream` the exchange runs on it (after what the caller's stream has queued; autograd runs its
+        backward there too) and :meth:`_wait` with the same ``key`` makes the caller's stream wait for it."""
         if getattr(self.exchange, "host_splits", False):
             if self._host is None or self._host[0] is not splits:
                 self._host, self.host_reads = (splits, splits.cpu()), self.host_reads + 1
             splits = self._host[1]
-        return self.exchange(x, splits[i_send], splits[i_recv], rows_out, self.group)
+        if self.comm_stream is None or not x.is_cuda:
+            return self.exchange(x, splits[i_send], splits[i_recv], rows_out, self.group)
+        caller = torch.cuda.current_stream(x.device)
+        self.comm_stream.wait_stream(caller)
+        with torch.cuda.stream(self.comm_stream):
+            out = self.exchange(x, splits[i_send], splits[i_recv], rows_out, self.group)
+            self._done[key] = torch.cuda.Event()
+            self._done[key].record()
+        x.record_stream(self.comm_stream)          # x is not reused before the exchange has read it
+        out.record_stream(caller)                  # nor out before the caller's stream has
+        return out
 
-    def _replicas(self, experts: RoutedExperts, rep: Tensor, splits: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    @torch.compiler.disable
+    def _wait(self, key: tuple[int, int]) -> None:
+        """The caller's stream waits for exchange ``key`` alone (not for the later ones queued on the stream)."""
+        done = self._done.pop(key, None)
+        if done is not None:
+            torch.cuda.current_stream().wait_event(done)
+
+    def _replicas(self, experts: RoutedExperts, rep: Tensor, splits: Tensor,
+                  key: tuple[int, int]) -> tuple[Tensor, Tensor, Tensor]:
         """(w1, w3, w2) of the bank: the El home experts, then this rank's replicas fetched from their donor in
         ascending global id, zero-padded to El. A home rank sends its lent (expert, receiver) pairs receiver-major
         in a fixed buffer of El + R − 2 rows (padding rows: expert 0, not sent); the backward returns each
@@ -256,20 +311,23 @@ class StaticMoonEPDispatcher:
         cap_out = min(El + R - 2, R * El)
         pick = (~lent).to(torch.int8).argsort(stable=True)[:cap_out] % El                 # [cap_out] lent first
         rows = torch.cat([w.index_select(0, pick).flatten(1) for w in own], 1)            # [cap_out, 3·I·L]
-        got = self._exchange(rows, splits, 2, 3, El)                                      # [El, 3·I·L]
+        got = self._exchange(rows, splits, 2, 3, El, key)                                 # [El, 3·I·L]
         parts = got.split([w[0].numel() for w in own], 1)
         return tuple(torch.cat([w, p.view(El, *w.shape[1:])]) for w, p in zip(own, parts))
 
 
 def apply_static_moonep(model_or_moe: nn.Module, ep_group: ProcessGroup | None,
-                        exchange: Exchange | None = None) -> nn.Module:
+                        exchange: Exchange | None = None, chunks: int = 1,
+                        comm_stream: "torch.cuda.Stream | None" = None) -> nn.Module:
     """Swap every expert-parallel :class:`LatentMoE`'s dispatcher (after
     :func:`k3lab.parallel.expert.apply_expert_parallel` with ``kind="moonep"``) for a
-    :class:`StaticMoonEPDispatcher` over ``ep_group`` with ``exchange`` (None: :func:`current_exchange`). Returns
-    ``model_or_moe``."""
+    :class:`StaticMoonEPDispatcher` over ``ep_group`` with ``exchange`` (None: :func:`current_exchange`), cutting
+    each MoE layer's tokens into ``chunks`` (``ParallelOptions.ep_chunks``), its exchanges on ``comm_stream`` (CUDA;
+    None: on the caller's stream). Returns ``model_or_moe``."""
     exchange = current_exchange() if exchange is None else exchange
     for moe in [m for m in model_or_moe.modules() if isinstance(m, LatentMoE)]:
         if getattr(moe.dispatcher, "kind", None) != "moonep":
             raise ValueError("apply_static_moonep: apply_expert_parallel(..., kind='moonep') first")
         moe.dispatcher = StaticMoonEPDispatcher(ep_group, moe.experts.num_experts, exchange, moe.gate.backend)
+        moe.dispatcher.chunks, moe.dispatcher.comm_stream = chunks, comm_stream
     return model_or_moe

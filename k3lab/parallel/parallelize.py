@@ -58,6 +58,9 @@ class ParallelOptions:
     # profile chooses "device" on CUDA when compiled (k3lab.train.resolve_ep_plan)
     cp_layout: str = "contiguous"      # CP_LAYOUTS: how a sequence is cut over the CP ranks
     timeout: float = DEFAULT_TIMEOUT_S  # seconds every process group waits before it fails the run
+    ep_chunks: int = 1                 # with ep_plan="device": each MoE layer's tokens cut into this many chunks, each
+    # planned and exchanged alone; on CUDA the exchanges run on a communication stream, so a chunk's exchange runs
+    # beside another chunk's experts (the same result: tests/test_moonep_property.py). Not yet timed: 1 by default
     shared_overlap: bool = False       # EP on CUDA: each LatentMoE's shared expert on a side stream, beside the
     # dispatcher's all-to-alls (the same result). Off by default: measured slower (a graphed EP rank of 8 on one H100,
     # 220.4 ms a step against 193.9 in line: docs/scaling.md, section 4g)
@@ -72,8 +75,10 @@ class ParallelOptions:
             if not ok:
                 raise ValueError(f"ParallelOptions.{name}={getattr(self, name)!r}: {rule}")
 
-        for name in ("cp", "ep"):
+        for name in ("cp", "ep", "ep_chunks"):
             need(type(getattr(self, name)) is int and getattr(self, name) >= 1, name, "must be an int >= 1")
+        need(self.ep_chunks == 1 or self.ep_plan == "device", "ep_chunks",
+             "chunks need MoonEP planned on the device: set ep_plan='device'")
         need(type(self.dp_shard) is int and (self.dp_shard >= 1 or self.dp_shard == -1), "dp_shard",
              "must be an int >= 1, or -1 for world_size / cp")
         for name, allowed in self.CHOICES.items():
@@ -124,7 +129,8 @@ def parallelize(model: nn.Module, groups: ParallelGroups, device: torch.device, 
                 ep_plan: str = "host", cp_layout: str = "contiguous", recompute: str = "none",
                 recompute_layers: int | None = None, compile: str = "none", param_dtype: torch.dtype | None = None,
                 reduce_dtype: torch.dtype | None = None,
-                reshard_after_forward: bool = True, shared_overlap: bool = False) -> tuple[nn.Module, set[nn.Parameter]]:
+                reshard_after_forward: bool = True, shared_overlap: bool = False,
+                ep_chunks: int = 1) -> tuple[nn.Module, set[nn.Parameter]]:
     """EP -> CP -> recompute -> compile -> FSDP on ``model`` (in place); returns ``(model, EP expert
     parameters)`` (a meta model's ``to_empty`` replaces those Parameter objects: collect them again after it).
     ``recompute``/``recompute_layers``/``compile`` as in :class:`k3lab.train.TrainConfig`; ``param_dtype``:
@@ -133,7 +139,8 @@ def parallelize(model: nn.Module, groups: ParallelGroups, device: torch.device, 
     :class:`k3lab.parallel.expert_static.StaticMoonEPDispatcher` (:class:`ParallelOptions`); ``reduce_dtype``:
     FSDP2's gradient-reduction dtype, ``reshard_after_forward`` whether a sublayer's weights are gathered again for
     its backward (:func:`k3lab.parallel.fsdp.apply_fsdp`; :class:`ParallelOptions`); ``shared_overlap``: with EP on
-    CUDA, every LatentMoE's shared expert on one side stream (:attr:`k3lab.moe.latent.LatentMoE.shared_stream`).
+    CUDA, every LatentMoE's shared expert on one side stream (:attr:`k3lab.moe.latent.LatentMoE.shared_stream`);
+    ``ep_chunks``: the device-planned dispatcher's token chunks, their exchanges on one communication stream (CUDA).
 
     World size 1 without a process group: the model is only moved (recompute and compile applied)."""
     dims = groups.dims
@@ -145,7 +152,8 @@ def parallelize(model: nn.Module, groups: ParallelGroups, device: torch.device, 
         if ep_plan == "device":
             from k3lab.parallel.expert_static import apply_static_moonep
 
-            apply_static_moonep(model, groups.ep)
+            comm = torch.cuda.Stream(device) if ep_chunks > 1 and device.type == "cuda" else None
+            apply_static_moonep(model, groups.ep, chunks=ep_chunks, comm_stream=comm)
         experts = set(expert_parameters(model))
         if shared_overlap and device.type == "cuda":
             side = torch.cuda.Stream(device)
