@@ -150,6 +150,11 @@ class StaticMoonEPDispatcher:
 
     Records ``last_alloc`` ([E, R] int64) and ``last_slots_per_rank`` ([R] int64: the rows each rank receives by the
     plan, S·K on every rank), both on the device, after each forward.
+
+    ``chunks`` (``ParallelOptions.ep_chunks``): the S tokens cut into equal chunks, each planned and exchanged alone
+    (S·K/chunks slots a rank each; ``last_alloc`` is then the sum of the chunks' plans). Every chunk is planned and
+    sent before any is computed; with ``comm_stream`` (CUDA) the exchanges run there and each chunk's experts wait on
+    that chunk's exchanges alone, so one chunk's exchange runs beside another chunk's experts.
     """
 
     def __init__(self, group: ProcessGroup | None, num_experts: int, exchange: Exchange = exchange_reference,
@@ -219,9 +224,9 @@ class StaticMoonEPDispatcher:
         splits = torch.stack([n[r].sum(0), n[:, :, r].sum(1),                             # rows out, in
                               rep[r * El:(r + 1) * El].sum(0), rep[:, r].view(R, El).sum(1)])  # weights out, in
         x_recv = self._exchange(self._rows(z, send_slots, send_inv, K), splits, 0, 1, M, (c, 0))  # [M, L] (s, e, p)
-        weights = self._replicas(experts, rep, splits, (c, 1))                            # [2·El, …] ×3
+        replicas = self._replicas(experts, rep, splits, (c, 1))                           # [El, 3·I·L]
         return dict(S=S, K=K, M=M, n=n, alloc=alloc, rep=rep, home=home, counts=counts, splits=splits,
-                    send_slots=send_slots, send_inv=send_inv, x_recv=x_recv, weights=weights)
+                    send_slots=send_slots, send_inv=send_inv, x_recv=x_recv, replicas=replicas)
 
     def _compute(self, f: dict, experts: RoutedExperts, c: int) -> None:
         """Steps 3 and 5 for one chunk: the received rows bank-major, the grouped expert call, the rows back
@@ -247,7 +252,8 @@ class StaticMoonEPDispatcher:
 
         self._wait((c, 0))
         self._wait((c, 1))
-        y = experts(self._rows(f["x_recv"], perm, perm_inv, 1), bank_counts, f["weights"])  # [M, L] by bank
+        weights = self._bank_weights(experts, f["replicas"])                              # [2·El, …] ×3
+        y = experts(self._rows(f["x_recv"], perm, perm_inv, 1), bank_counts, weights)     # [M, L] by bank
         y_recv = self._rows(y, perm_inv, perm, 1)                                         # [M, L] (s, e, p) order
         f["y_back"] = self._exchange(y_recv, f["splits"], 1, 0, M, (c, 2))                # [M, L] (d, e, p) order
 
@@ -299,21 +305,26 @@ class StaticMoonEPDispatcher:
         if done is not None:
             torch.cuda.current_stream().wait_event(done)
 
-    def _replicas(self, experts: RoutedExperts, rep: Tensor, splits: Tensor,
-                  key: tuple[int, int]) -> tuple[Tensor, Tensor, Tensor]:
-        """(w1, w3, w2) of the bank: the El home experts, then this rank's replicas fetched from their donor in
-        ascending global id, zero-padded to El. A home rank sends its lent (expert, receiver) pairs receiver-major
-        in a fixed buffer of El + R − 2 rows (padding rows: expert 0, not sent); the backward returns each
-        replica's gradient home, where ``index_select``'s backward adds it into the local parameter's."""
+    def _replicas(self, experts: RoutedExperts, rep: Tensor, splits: Tensor, key: tuple[int, int]) -> Tensor:
+        """This rank's replicas' weights fetched from their donor in ascending global id, zero-padded to El: ``[El,
+        3·I·L]`` rows (w1, w3, w2 flattened; :meth:`_bank_weights` puts them after the home experts). A home rank
+        sends its lent (expert, receiver) pairs receiver-major in a fixed buffer of El + R − 2 rows (padding rows:
+        expert 0, not sent); the backward returns each replica's gradient home, where ``index_select``'s backward
+        adds it into the local parameter's."""
         R, r, El = self.num_ranks, self.rank, self.num_local
         own = (experts.w1, experts.w3, experts.w2)                                        # [El, I, L] ×2, [El, L, I]
         lent = rep[r * El:(r + 1) * El].T.reshape(-1)                                     # [R·El] (d, e_local)
         cap_out = min(El + R - 2, R * El)
         pick = (~lent).to(torch.int8).argsort(stable=True)[:cap_out] % El                 # [cap_out] lent first
         rows = torch.cat([w.index_select(0, pick).flatten(1) for w in own], 1)            # [cap_out, 3·I·L]
-        got = self._exchange(rows, splits, 2, 3, El, key)                                 # [El, 3·I·L]
+        return self._exchange(rows, splits, 2, 3, El, key)                                # [El, 3·I·L]
+
+    def _bank_weights(self, experts: RoutedExperts, got: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """(w1, w3, w2) of the bank: the El home experts, then the replica rows ``got`` of :meth:`_replicas` (once
+        their exchange has been waited for)."""
+        own = (experts.w1, experts.w3, experts.w2)                                        # [El, I, L] ×2, [El, L, I]
         parts = got.split([w[0].numel() for w in own], 1)
-        return tuple(torch.cat([w, p.view(El, *w.shape[1:])]) for w, p in zip(own, parts))
+        return tuple(torch.cat([w, p.view(self.num_local, *w.shape[1:])]) for w, p in zip(own, parts))
 
 
 def apply_static_moonep(model_or_moe: nn.Module, ep_group: ProcessGroup | None,
