@@ -44,7 +44,7 @@ it) and the same batches
 and peak memory and the largest relative difference of their per-step losses.
 
 ``@via=fake-rank[,ranks=2|4|8][,reshard=true|false][,ep=2|4|8[,ep_plan=host|device][,exchange=stand-in|emulated]
-[,overlap=true|false][,chunks=1|2|4]]``: ``fit`` as rank 0 of a
+[,overlap=true|false][,chunks=1|2|4][,placed=true|false]]``: ``fit`` as rank 0 of a
 sharded run (FSDP alone, or with MoonEP over ``ep`` of the ranks; 8 ranks by
 default) in PyTorch's fake process group, every collective free, the rank holding the config's B × T tokens: the
 sharded step as ``fit`` runs it (masters, graphs and all), timed on one GPU, against the one-GPU ``@via=fit`` row
@@ -57,7 +57,9 @@ the table: the rank's predicted tokens/s per GPU against ``fit`` on one GPU. Wit
 modelled time on 16 SMs (CUDA), so the row's ms holds the exposed all-to-all time and the prediction adds the other
 collectives only (:func:`emulates_exchange`); ``overlap=true`` runs the shared expert on a side stream beside them
 (``ParallelOptions.shared_overlap``; default in line); ``chunks=2|4`` cuts each MoE layer's tokens into chunks whose
-exchanges run on a communication stream beside the other chunks' experts (``ParallelOptions.ep_chunks``).
+exchanges run on a communication stream beside the other chunks' experts (``ParallelOptions.ep_chunks``);
+``placed=false`` makes the stand-in or emulated exchange leave the bank-major row orders to the dispatcher (its own
+gathers, as for an exchange without a two-dimensional all-to-all; default: the exchange places them).
 
 Defaults: ``small-16x1024 small-8x4096 kda-anchor-8x4096 fla-kda-anchor-8x4096``.
 
@@ -166,8 +168,8 @@ TRAIN_DEFAULTS = {"dtype": "bfloat16", "lr": 1e-3, "warmup_steps": 0}  # where t
 # per-config options that are not TrainConfig fields (ranks, reshard, ep, ep_plan: via=fake-rank only)
 BENCH_OPTIONS = {"via": ("fit", "cli", "fake-rank"), "ranks": ("2", "4", "8"), "reshard": ("true", "false"),
                  "ep": ("1", "2", "4", "8"), "ep_plan": EP_PLANS, "exchange": ("stand-in", "emulated"),
-                 "overlap": ("true", "false"), "chunks": ("1", "2", "4")}
-RANK_OPTIONS = ("ranks", "reshard", "ep", "ep_plan", "exchange", "overlap", "chunks")
+                 "overlap": ("true", "false"), "chunks": ("1", "2", "4"), "placed": ("true", "false")}
+RANK_OPTIONS = ("ranks", "reshard", "ep", "ep_plan", "exchange", "overlap", "chunks", "placed")
 # fla's model: the k3lab-only settings, whatever the command line or the config says (its row shows them)
 FLA_SETTINGS = dict(param_dtype="float32", moment_dtype="float32", master_format="float32", compile="none",
                     recompute="none", recompute_layers=None, cuda_graph=False, fused_loss=False)
@@ -262,6 +264,9 @@ def parse_config(name: str, base: dict | None = None) -> Spec:
     if keys.get("exchange") == "emulated" and (keys.get("ep", "1") == "1" or keys.get("ep_plan") != "device"):
         raise ValueError(f"config {name!r}: option 'exchange=emulated' needs ep=2|4|8 and ep_plan=device (the "
                          "capturable exchange it times)")
+    if "placed" in keys and (keys.get("ep", "1") == "1" or keys.get("ep_plan") != "device"):
+        raise ValueError(f"config {name!r}: option 'placed=' needs ep=2|4|8 and ep_plan=device (the stand-in or "
+                         "emulated exchange whose row orders it sets)")
     spec = Spec(name, m.group(1), int(m.group(2)), int(m.group(3)), tuple(options))
     train_config(spec, TRAIN_DEFAULTS if base is None else base)  # the values: TrainConfig's own check
     return spec
@@ -401,7 +406,8 @@ def run_config(spec: Spec, args) -> dict:
                     + (", emulated exchange" if emulates_exchange(spec) else
                        ", stand-in exchange" if uses_stand_in(spec, cfg) else "")
                     + (", shared expert on a side stream" if spec.option("overlap", "false") == "true" else "")
-                    + (f", {spec.option('chunks', '1')} chunks" if spec.option("chunks", "1") != "1" else ""))
+                    + (f", {spec.option('chunks', '1')} chunks" if spec.option("chunks", "1") != "1" else "")
+                    + (", rows placed by the dispatcher" if spec.option("placed", "true") == "false" else ""))
                 del model
                 history, peak, counted = run_via(via, spec, cfg, device, on_step=on_step)
         except TrainingDiverged as err:
@@ -488,8 +494,8 @@ def fit_as_fake_rank(spec: Spec, cfg, train_cfg, device, on_step=None) -> tuple[
     if emulates_exchange(spec) or uses_stand_in(spec, train_cfg):
         from k3lab.parallel.expert_static import default_exchange
 
-        exchange = default_exchange(ps.emulated_exchange(ps.LINKS[LINK]) if emulates_exchange(spec)
-                                    else ps.fixed_size_exchange)
+        chosen = ps.emulated_exchange(ps.LINKS[LINK]) if emulates_exchange(spec) else ps.fixed_size_exchange
+        exchange = default_exchange(chosen if spec.option("placed", "true") == "true" else ps.unplaced(chosen))
     counted = {}
 
     def count_step_two(step, row):  # the second step runs eager at every setting (a graph captures the third)

@@ -488,18 +488,29 @@ def _probe_fills(device: torch.device) -> dict:
 
 class _FixedSizeExchange(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, rows_out, group):
-        ctx.rows_in, ctx.group = x.shape[0], group
-        return _fixed_size_all_to_all(x, rows_out, group)
+    def forward(ctx, x, rows_out, group, take, place):
+        ctx.rows_in, ctx.group, ctx.take, ctx.place = x.shape[0], group, take, place
+        return _fixed_size_all_to_all(x, rows_out, group, take, place)
 
     @staticmethod
     def backward(ctx, grad):
-        return _fixed_size_all_to_all(grad, ctx.rows_in, ctx.group), None, None
+        return _fixed_size_all_to_all(grad, ctx.rows_in, ctx.group, *_reverse(ctx.take, ctx.place)), None, None, None, None
 
 
-def _fixed_size_all_to_all(x, rows, group):
+def _reverse(take, place):
+    """The (take, place) orders of an exchange's backward: the gradient leaves through the inverse of ``place`` and
+    lands through the inverse of ``take`` (each ``(order, inverse)`` or None)."""
+    flip = lambda o: None if o is None else (o[1], o[0])  # noqa: E731
+    return flip(place), flip(take)
+
+
+def _fixed_size_all_to_all(x, rows, group, take=None, place=None):
     """``x [C_in, …]`` -> ``[rows, …]``: one equal-split all-to-all of min(C_in, rows) rows (the most either buffer
-    lets a device-initiated exchange move), padded with zero rows to ``rows``."""
+    lets a device-initiated exchange move), padded with zero rows to ``rows``; ``take``/``place`` (``(order,
+    inverse)`` or None) gather the rows before and after it, as a two-dimensional all-to-all writes them
+    (:data:`k3lab.parallel.expert_static.Exchange`)."""
+    if take is not None:
+        x = x.index_select(0, take[0])
     n = dist.get_world_size(group)
     k = min(rows, x.shape[0])
     flat = x[:k].reshape(-1)
@@ -508,18 +519,35 @@ def _fixed_size_all_to_all(x, rows, group):
     out = torch.empty_like(flat)
     dist.all_to_all_single(out, flat, group=group)
     moved = out[:k * x[0].numel()].view(k, *x.shape[1:])
-    return torch.cat([moved, moved.new_zeros(rows - k, *x.shape[1:])]) if rows > k else moved
+    moved = torch.cat([moved, moved.new_zeros(rows - k, *x.shape[1:])]) if rows > k else moved
+    return moved if place is None else moved.index_select(0, place[0])
 
 
-def fixed_size_exchange(x, send, recv, rows_out, group):
+def fixed_size_exchange(x, send, recv, rows_out, group, take=None, place=None):
     """A stand-in for the capturable exchange of :mod:`k3lab.parallel.expert_static` on the fake group (timing
     only): one equal-split ``all_to_all_single`` of the fixed buffers' rows each way (the smaller buffer's: the
-    most the device-initiated exchange moves), the split sizes ``send``/``recv`` ignored, so no host read. On the fake group it
-    returns this rank's own rows, so every rank computes rows as the simulated one does; it routes nothing."""
-    return _FixedSizeExchange.apply(x, rows_out, group)
+    most the device-initiated exchange moves), the split sizes ``send``/``recv`` ignored, so no host read; the rows
+    taken and placed in the dispatcher's orders (``take``/``place``) as a two-dimensional all-to-all writes them. On
+    the fake group it returns this rank's own rows, so every rank computes rows as the simulated one does; it routes
+    nothing."""
+    return _FixedSizeExchange.apply(x, rows_out, group, take, place)
 
 
 fixed_size_exchange.capturable = True  # no host read: a CUDA graph records it (k3lab.parallel.expert_static.capturable)
+fixed_size_exchange.places_rows = True  # takes and places rows itself (k3lab.parallel.expert_static.Exchange)
+
+def unplaced(exchange):
+    """``exchange`` (:func:`fixed_size_exchange`, :func:`emulated_exchange`) without its row orders: the dispatcher
+    then permutes the received rows bank-major itself (``k3lab.parallel.expert_static.Exchange``), as it must for an
+    exchange without a two-dimensional all-to-all. Same capturability, same emulated time."""
+
+    def without_orders(x, send, recv, rows_out, group):
+        return exchange(x, send, recv, rows_out, group)
+
+    without_orders.capturable = getattr(exchange, "capturable", False)
+    without_orders.emulated = getattr(exchange, "emulated", False)
+    return without_orders
+
 
 # the SMs an emulated all-to-all keeps busy while it waits: NCCL runs a collective as a number of channels, one
 # thread block (SM) each; 16 is this script's assumption, stated beside every figure that uses it
@@ -535,28 +563,30 @@ def emulated_exchange(link: Link, sms: int = EMULATED_SMS):
     (:func:`predict_step` with ``in_compute``). The time a call waits is measured from a device timestamp taken before
     the fake group's copy of the rows, so the copy (what NCCL's kernels write) counts inside it."""
 
-    def exchange(x, send, recv, rows_out, group):
-        return _EmulatedExchange.apply(x, rows_out, group, link, sms)
+    def exchange(x, send, recv, rows_out, group, take=None, place=None):
+        return _EmulatedExchange.apply(x, rows_out, group, link, sms, take, place)
 
     exchange.capturable = True
+    exchange.places_rows = True
     exchange.emulated = True
     return exchange
 
 
 class _EmulatedExchange(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, rows_out, group, link, sms):
-        ctx.rows_in, ctx.group, ctx.link, ctx.sms = x.shape[0], group, link, sms
-        return _timed_all_to_all(x, rows_out, group, link, sms)
+    def forward(ctx, x, rows_out, group, link, sms, take, place):
+        ctx.rows_in, ctx.group, ctx.link, ctx.sms, ctx.take, ctx.place = x.shape[0], group, link, sms, take, place
+        return _timed_all_to_all(x, rows_out, group, link, sms, take, place)
 
     @staticmethod
     def backward(ctx, grad):
-        return _timed_all_to_all(grad, ctx.rows_in, ctx.group, ctx.link, ctx.sms), None, None, None, None
+        orders = _reverse(ctx.take, ctx.place)
+        return (_timed_all_to_all(grad, ctx.rows_in, ctx.group, ctx.link, ctx.sms, *orders),) + (None,) * 6
 
 
-def _timed_all_to_all(x, rows: int, group, link: Link, sms: int):
-    """:func:`_fixed_size_all_to_all`, with the caller's stream held until the modelled time of that all-to-all
-    (nccl-tests size: its buffer) has passed since a device timestamp taken before it."""
+def _timed_all_to_all(x, rows: int, group, link: Link, sms: int, take=None, place=None):
+    """:func:`_fixed_size_all_to_all` (its row orders included), with the caller's stream held until the modelled
+    time of that all-to-all (nccl-tests size: its buffer) has passed since a device timestamp taken before it."""
     if x.device.type != "cuda":
         raise ValueError(f"emulated_exchange: its timer runs on a CUDA GPU; the rows are on {x.device} (use "
                          "fixed_size_exchange, the stand-in without the time)")
@@ -566,7 +596,7 @@ def _timed_all_to_all(x, rows: int, group, link: Link, sms: int):
     size = (numel + (-numel) % n) * x.element_size()                               # the equal-split buffer's bytes
     t0 = torch.empty(1, dtype=torch.int64, device=x.device)
     stamp[(1,)](t0)
-    out = _fixed_size_all_to_all(x, rows, group)
+    out = _fixed_size_all_to_all(x, rows, group, take, place)
     wait_until[(sms,)](t0, int(1e9 * collective_seconds("all_to_all", size, n, 1, link)))
     return out
 

@@ -20,7 +20,7 @@ from k3lab.moe.latent import LatentMoE
 from k3lab.parallel.collectives import all_gather, all_reduce_sum
 from k3lab.parallel.dims import EP_PLANS
 from k3lab.parallel.expert import EP_KINDS, apply_expert_parallel, plan_moonep, tokens_per_expert
-from k3lab.parallel.expert_static import apply_static_moonep, plan_moonep_torch
+from k3lab.parallel.expert_static import apply_static_moonep, exchange_reference, plan_moonep_torch
 from k3lab.parallel.parallelize import ParallelOptions
 from k3lab.parallel.spawn import run_ranks
 from k3lab.testing import rel_err
@@ -84,6 +84,14 @@ CASES = ("random", "zipf", "one_hot", "empty_homes", "idle_rank")
 SEEDS = (0, 1)
 
 
+def _unplaced_reference(x, send, recv, rows_out, group):
+    """:func:`exchange_reference` as an exchange that does not place rows: the dispatcher permutes them itself."""
+    return exchange_reference(x, send, recv, rows_out, group)
+
+
+_unplaced_reference.host_splits = True
+
+
 def dispatch_vs_one_process(rank: int, world: int) -> dict:
     """For every case × seed × kind: the EP dispatcher on this rank's S tokens against the local dispatcher
     on all W·S tokens, forward and backward (z, topk_weight and expert-weight gradients)."""
@@ -107,11 +115,13 @@ def dispatch_vs_one_process(rank: int, world: int) -> dict:
             y_ref = ref.dispatcher.run(z_ref, idx, w_ref, ref.experts)                   # [W·S, L]
             (y_ref * gy).sum().backward()
             mine = slice(rank * S, (rank + 1) * S)
-            # the fixed-shape MoonEP (k3lab.parallel.expert_static) too, and cut into two chunks (ep_chunks=2)
-            for kind in EP_KINDS + ("moonep-static", "moonep-static-chunks"):
+            # the fixed-shape MoonEP (k3lab.parallel.expert_static) too, cut into two chunks (ep_chunks=2), and with
+            # an exchange that leaves the bank-major row orders to the dispatcher
+            for kind in EP_KINDS + ("moonep-static", "moonep-static-chunks", "moonep-static-unplaced"):
                 ep = apply_expert_parallel(copy.deepcopy(base), None, kind.split("-")[0])
                 if kind.startswith("moonep-static"):
-                    ep = apply_static_moonep(ep, None, chunks=2 if kind.endswith("chunks") else 1)
+                    exchange = _unplaced_reference if kind.endswith("unplaced") else None
+                    ep = apply_static_moonep(ep, None, exchange, chunks=2 if kind.endswith("chunks") else 1)
                 z_ep, w_ep = z[mine].clone().requires_grad_(), w[mine].clone().requires_grad_()
                 y = ep.dispatcher.run(z_ep, idx[mine], w_ep, ep.experts)                 # [S, L]
                 (y * gy[mine]).sum().backward()
@@ -123,7 +133,7 @@ def dispatch_vs_one_process(rank: int, world: int) -> dict:
                     errs[f"grad {name}"] = rel_err(got, getattr(ref.experts, name).grad)
                 if kind.startswith("moonep-static"):  # its device plan, the host planner's plan of the same counts
                     plan = plan_moonep(tokens_per_expert(idx.view(world, S, K), E), K)
-                    if kind == "moonep-static":  # (each chunk has its own plan: their slots add up below)
+                    if not kind.endswith("chunks"):  # (each chunk has its own plan: their slots add up below)
                         errs["alloc"] = float((ep.dispatcher.last_alloc != plan.alloc).sum())
                     else:
                         errs["slots"] = float((ep.dispatcher.last_slots_per_rank != torch.as_tensor(plan.slots)).sum())

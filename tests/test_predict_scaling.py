@@ -300,6 +300,53 @@ def test_emulated_exchange_takes_its_modelled_time_and_moves_the_stand_ins_rows(
         assert start.elapsed_time(end) >= 1e3 * want * 0.999, (start.elapsed_time(end), want)
         assert torch.equal(y, ps.fixed_size_exchange(x.detach(), None, None, 4096, None))
         assert torch.equal(x.grad, torch.ones_like(x))
+        # with row orders (a placing exchange): the same rows as the stand-in's, forward and backward
+        take, place = (torch.randperm(4096, device=dev) for _ in range(2))
+        orders = dict(take=(take, take.argsort()), place=(place, place.argsort()))
+        g = torch.randn(4096, 512, device=dev)
+        got = [exchange(x, None, None, 4096, None, **orders), ps.fixed_size_exchange(x, None, None, 4096, None, **orders)]
+        grads = [torch.autograd.grad(y, x, g)[0] for y in got]
+        assert torch.equal(got[0], got[1]) and torch.equal(got[1], x.detach()[take][place])
+        assert torch.equal(grads[0], grads[1]) and torch.equal(grads[1][take][place], g)
+
+
+def test_the_stand_ins_row_orders_equal_the_dispatchers_own_gathers():
+    """The stand-in exchange places the received rows bank-major and takes them back from that order itself (as a
+    two-dimensional all-to-all writes them); wrapped by ``unplaced`` it leaves both to the dispatcher's gathers. A
+    static MoonEP layer on rank 0 of a 4-rank fake group gives the same output and gradients either way (exactly: the
+    same rows, gathered in another place), and the orders are real permutations (the rows are not already bank-major,
+    so a wrong order would show)."""
+    import torch
+    import torch.distributed as dist
+
+    from k3lab.config import ModelConfig
+    from k3lab.moe.latent import LatentMoE
+    from k3lab.parallel.expert import apply_expert_parallel
+    from k3lab.parallel.expert_static import apply_static_moonep
+
+    ps = load_script()
+    cfg = ModelConfig.preset("tiny").replace(n_routed_experts=8, num_experts_per_tok=2)
+    assert ps.fixed_size_exchange.places_rows and not getattr(ps.unplaced(ps.fixed_size_exchange), "places_rows", 0)
+    assert ps.unplaced(ps.fixed_size_exchange).capturable
+    orders = []  # the row orders the dispatcher hands the placing exchange (one place, one take a forward)
+
+    def recording(x, send, recv, rows_out, group, take=None, place=None):
+        orders.extend(o[0] for o in (take, place) if o is not None)
+        return ps.fixed_size_exchange(x, send, recv, rows_out, group, take, place)
+
+    recording.capturable = recording.places_rows = True
+    results = {}
+    with ps.fake_rank(4, 0, torch.device("cpu")):
+        for name, exchange in (("placed", recording), ("unplaced", ps.unplaced(ps.fixed_size_exchange))):
+            torch.manual_seed(0)
+            moe = apply_static_moonep(apply_expert_parallel(LatentMoE(cfg), None), None, exchange)
+            x = torch.randn(2, 32, cfg.hidden_size, generator=torch.Generator().manual_seed(1), requires_grad=True)
+            y = moe(x)
+            y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(2)))
+            results[name] = (y.detach(), x.grad, moe.experts.w1.grad, moe.experts.w2.grad)
+    for want, got in zip(results["unplaced"], results["placed"]):
+        assert torch.equal(want, got)
+    assert len(orders) == 2 and all(not torch.equal(o, torch.arange(len(o))) for o in orders), orders
 
 
 def test_the_emulated_exchange_refuses_the_cpu_by_name():

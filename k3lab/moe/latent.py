@@ -83,6 +83,8 @@ class DispatchRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         (inverse,) = ctx.saved_tensors
+        if ctx.k == 1:  # a permutation: its backward is the gather through the inverse (nothing to sum)
+            return grad.index_select(0, inverse), None, None, None, None
         if ctx.fused:
             from k3lab.kernels.moe_rows import gather_sum
 

@@ -51,21 +51,38 @@ from k3lab.parallel.expert import check_divisible, check_home_slice
 # up to rows_out. send/recv are int64 tensors: on the host for an exchange whose ``host_splits`` attribute is True (the
 # dispatcher reads all of a forward's split sizes in one device-to-host copy), else on the device. The backward is
 # the reverse exchange. An exchange whose ``capturable`` attribute is True reads nothing on the host (a CUDA graph
-# can record it).
-Exchange = Callable[[Tensor, Tensor, Tensor, int, "ProcessGroup | None"], Tensor]
+# can record it). An exchange whose ``places_rows`` attribute is True also takes the keywords ``take`` and ``place``,
+# each None or a pair ``(order, inverse)`` of a row permutation and its inverse: it sends ``x[take order]`` and returns
+# ``got[place order]`` (``got`` the result above). These are the row orders a two-dimensional all-to-all writes as it
+# moves the rows (``torch.ops.symm_mem.all_to_all_vdev_2d`` receives them expert-major, its ``_offset`` form sends
+# them back from expert-major), so the dispatcher leaves its bank-major permutations to such an exchange; for any
+# other exchange it permutes the rows itself, one gather each way and one more in each backward.
+Exchange = Callable[..., Tensor]
 
 
-def exchange_reference(x: Tensor, send: Tensor, recv: Tensor, rows_out: int, group: ProcessGroup | None) -> Tensor:
-    """:data:`Exchange` by the autograd all-to-all, split sizes read on the host (any backend; not capturable)."""
+def permute_rows(x: Tensor, order: Tensor, inverse: Tensor) -> Tensor:
+    """``x[order]`` ([M, …]; ``inverse`` the inverse permutation of ``order``), its backward the gather through
+    ``inverse`` (:class:`~k3lab.moe.latent.DispatchRows` with k = 1), not ``index_select``'s ``index_add``."""
+    return DispatchRows.apply(x, order, inverse, 1)
+
+
+def exchange_reference(x: Tensor, send: Tensor, recv: Tensor, rows_out: int, group: ProcessGroup | None,
+                       take: tuple[Tensor, Tensor] | None = None, place: tuple[Tensor, Tensor] | None = None) -> Tensor:
+    """:data:`Exchange` by the autograd all-to-all, split sizes read on the host (any backend; not capturable); its
+    ``take``/``place`` orders are gathers before and after the all-to-all."""
     send_l, recv_l = send.tolist(), recv.tolist()
     if sum(recv_l) > rows_out:
         raise ValueError(f"exchange: {sum(recv_l)} rows to receive, the fixed buffer holds {rows_out}")
+    if take is not None:
+        x = permute_rows(x, *take)
     got = all_to_all(x[: sum(send_l)], recv_l, send_l, group)                           # [Σ recv, …]
-    return torch.cat([got, got.new_zeros(rows_out - got.shape[0], *got.shape[1:])])
+    got = torch.cat([got, got.new_zeros(rows_out - got.shape[0], *got.shape[1:])])      # [rows_out, …]
+    return got if place is None else permute_rows(got, *place)
 
 
 exchange_reference.host_splits = True  # its split sizes come to the host anyway: one read a forward, not three
 exchange_reference.capturable = False
+exchange_reference.places_rows = True
 
 _DEFAULT_EXCHANGE: list[Exchange] = [exchange_reference]  # a stack: default_exchange() pushes and pops
 
@@ -144,7 +161,7 @@ class StaticMoonEPDispatcher:
     2. each sorted slot's global position in its expert's list picks its destination d (``searchsorted`` in
        ``cumsum_d alloc[e, d]``); the slots are sent (d, e, p)-ordered: ``[M, L]`` out, ``[M, L]`` in;
     3. received rows, in blocks (s, e), are grouped by bank: home experts, then the ≤ El replicas in global id
-       order (padded to El groups);
+       order (padded to El groups), by the exchange itself where it places rows (:data:`Exchange`);
     4. the replica weights come from their donor in one exchange (``[El + R − 2]`` rows out, ``[El]`` in);
     5. one grouped expert call over the 2·El groups, rows back to received order, exchanged back, combined.
 
@@ -223,19 +240,22 @@ class StaticMoonEPDispatcher:
         rep = (alloc > 0) & (home[:, None] != torch.arange(R, device=dev)[None])         # [E, R] replicas
         splits = torch.stack([n[r].sum(0), n[:, :, r].sum(1),                             # rows out, in
                               rep[r * El:(r + 1) * El].sum(0), rep[:, r].view(R, El).sum(1)])  # weights out, in
-        x_recv = self._exchange(self._rows(z, send_slots, send_inv, K), splits, 0, 1, M, (c, 0))  # [M, L] (s, e, p)
+        bank_counts, bank_order = self._banks(n, rep, home, M)                            # [2·El], ([M], [M])
+        place = bank_order if self._places_rows else None
+        x_recv = self._exchange(self._rows(z, send_slots, send_inv, K), splits, 0, 1, M, (c, 0),
+                                place=place)                                              # [M, L] by bank or (s, e, p)
         replicas = self._replicas(experts, rep, splits, (c, 1))                           # [El, 3·I·L]
-        return dict(S=S, K=K, M=M, n=n, alloc=alloc, rep=rep, home=home, counts=counts, splits=splits,
-                    send_slots=send_slots, send_inv=send_inv, x_recv=x_recv, replicas=replicas)
+        return dict(S=S, K=K, M=M, n=n, alloc=alloc, counts=counts, splits=splits, send_slots=send_slots,
+                    send_inv=send_inv, x_recv=x_recv, replicas=replicas, bank_counts=bank_counts,
+                    bank_order=bank_order)
 
-    def _compute(self, f: dict, experts: RoutedExperts, c: int) -> None:
-        """Steps 3 and 5 for one chunk: the received rows bank-major, the grouped expert call, the rows back
-        (exchange started). Sets ``f["y_back"]``."""
+    def _banks(self, n: Tensor, rep: Tensor, home: Tensor, M: int) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        """Step 3: the rows each of the 2·El banks gets (``[2·El]``) and the bank-major order of the received rows
+        with its inverse (``perm``, ``perm_inv``, ``[M]`` each: bank-major row j is received row ``perm[j]``).
+        Without a sort: the rows of bank b are its expert's blocks (s, e) in source order."""
         R, r, E, El = self.num_ranks, self.rank, self.num_experts, self.num_local
-        n, rep, home, M, dev = f["n"], f["rep"], f["home"], f["M"], f["x_recv"].device
+        dev = n.device
         ar = torch.arange(M, device=dev)                                                  # [M]
-        # the bank of every received row, and bank-major order without a sort: the rows of bank b are its expert's
-        # blocks (s, e) in source order
         to_me = n[:, :, r]                                                                # [R(s), E] blocks in
         n_in = to_me.reshape(-1)                                                          # [R·E] (s, e) order
         block = torch.searchsorted(n_in.cumsum(0), ar, right=True)                        # [M] block of each row
@@ -249,13 +269,23 @@ class StaticMoonEPDispatcher:
                 + to_me.cumsum(0) - to_me)                                                # [R(s), E] block starts
         perm_inv = dest.reshape(-1).index_select(0, block) + ar - (n_in.cumsum(0) - n_in).index_select(0, block)
         perm = torch.empty_like(perm_inv).scatter_(0, perm_inv, ar)                        # [M] bank-major
+        return bank_counts, (perm, perm_inv)
 
+    def _compute(self, f: dict, experts: RoutedExperts, c: int) -> None:
+        """Step 5 for one chunk: the received rows bank-major (by the exchange where it places rows), the grouped
+        expert call, the rows back (exchange started). Sets ``f["y_back"]``."""
+        M = f["M"]
         self._wait((c, 0))
         self._wait((c, 1))
         weights = self._bank_weights(experts, f["replicas"])                              # [2·El, …] ×3
-        y = experts(self._rows(f["x_recv"], perm, perm_inv, 1), bank_counts, weights)     # [M, L] by bank
-        y_recv = self._rows(y, perm_inv, perm, 1)                                         # [M, L] (s, e, p) order
-        f["y_back"] = self._exchange(y_recv, f["splits"], 1, 0, M, (c, 2))                # [M, L] (d, e, p) order
+        perm, perm_inv = f["bank_order"]
+        if self._places_rows:  # the exchange placed them bank-major and takes them back from that order
+            y = experts(f["x_recv"], f["bank_counts"], weights)                           # [M, L] by bank
+            f["y_back"] = self._exchange(y, f["splits"], 1, 0, M, (c, 2), take=(perm_inv, perm))  # (d, e, p) order
+        else:
+            y = experts(self._rows(f["x_recv"], perm, perm_inv, 1), f["bank_counts"], weights)  # [M, L] by bank
+            y_recv = self._rows(y, perm_inv, perm, 1)                                     # [M, L] (s, e, p) order
+            f["y_back"] = self._exchange(y_recv, f["splits"], 1, 0, M, (c, 2))            # [M, L] (d, e, p) order
 
     def _combine(self, f: dict, topk_weight: Tensor, c: int) -> Tensor:
         """The chunk's rows back in token order, weighted and summed: ``[S, L]`` fp32."""
@@ -270,15 +300,21 @@ class StaticMoonEPDispatcher:
         on CUDA (measured on one H100, 2026-12-07: its two kernels took 43 ms of a 258 ms EP rank step)."""
         return DispatchRows.apply(x, order, inverse, k, self._local.fused(x))
 
+    @property
+    def _places_rows(self) -> bool:
+        """Whether the exchange writes the bank-major order itself (its ``places_rows``, :data:`Exchange`)."""
+        return bool(getattr(self.exchange, "places_rows", False))
+
     @torch.compiler.disable  # a collective: eager between the compiled pieces (or captured by a CUDA graph)
     def _gather(self, counts: Tensor) -> Tensor:
         return all_gather(counts, self.group)
 
     @torch.compiler.disable  # the exchange may read its split sizes on the host (exchange_reference): eager
     def _exchange(self, x: Tensor, splits: Tensor, i_send: int, i_recv: int, rows_out: int,
-                  key: tuple[int, int]) -> Tensor:
+                  key: tuple[int, int], **orders: tuple[Tensor, Tensor] | None) -> Tensor:
         """The exchange of ``x`` with rows ``splits[i_send]`` out and ``splits[i_recv]`` in (``splits [4, R]``: rows
-        out, rows in, weight rows out, weight rows in). For an exchange with ``host_splits`` the first call of a
+        out, rows in, weight rows out, weight rows in); ``orders``: ``take``/``place`` for an exchange that places
+        rows (:data:`Exchange`), passed on where given. For an exchange with ``host_splits`` the first call of a
         chunk's forward copies ``splits`` to the host and the next ones reuse it (one device-to-host read a chunk).
         With :attr:`comm_stream` the exchange runs on it (after what the caller's stream has queued; autograd runs its
         backward there too) and :meth:`_wait` with the same ``key`` makes the caller's stream wait for it."""
@@ -286,15 +322,17 @@ class StaticMoonEPDispatcher:
             if self._host is None or self._host[0] is not splits:
                 self._host, self.host_reads = (splits, splits.cpu()), self.host_reads + 1
             splits = self._host[1]
+        orders = {name: o for name, o in orders.items() if o is not None}
         if self.comm_stream is None or not x.is_cuda:
-            return self.exchange(x, splits[i_send], splits[i_recv], rows_out, self.group)
+            return self.exchange(x, splits[i_send], splits[i_recv], rows_out, self.group, **orders)
         caller = torch.cuda.current_stream(x.device)
         self.comm_stream.wait_stream(caller)
         with torch.cuda.stream(self.comm_stream):
-            out = self.exchange(x, splits[i_send], splits[i_recv], rows_out, self.group)
+            out = self.exchange(x, splits[i_send], splits[i_recv], rows_out, self.group, **orders)
             self._done[key] = torch.cuda.Event()
             self._done[key].record()
-        x.record_stream(self.comm_stream)          # x is not reused before the exchange has read it
+        for t in (x, *[i for o in orders.values() for i in o]):
+            t.record_stream(self.comm_stream)      # x and the orders are not reused before the exchange has read them
         out.record_stream(caller)                  # nor out before the caller's stream has
         return out
 
