@@ -32,3 +32,41 @@ def test_the_recorded_ep_figures_are_the_raw_rows():
     for text, figures in [(d, quoted) for d in docs] + [(notebook, [quoted[0], quoted[1], quoted[3], quoted[4]])]:
         for figure in figures:
             assert figure in text, figure
+
+
+PLACED = ROOT / "kernels" / "results" / "2026-12-07-ep-rank-placed-exchange-h100.json"
+
+
+def test_the_recorded_placed_exchange_figures_are_the_raw_rows():
+    """docs/scaling.md section 4h, kernels/TRAIN_RESULTS.md and notebook 12 quote the EP rank whose exchange places
+    the rows (two calls): its share of ``fit``'s best step, its margin under the 85% line, and what placing saved
+    against ``placed=false`` in the same call. Recomputed from the raw rows."""
+    raw = json.loads(PLACED.read_text())
+    got = {}
+    for call in ("first", "repeat"):
+        rows = raw[call]["rows"]
+        fit = next(r for r in rows if r["via"] == "fit")
+        placed = next(r for r in rows if "exchange=emulated," in r["config"] and "placed" not in r["config"]
+                      and "chunks" not in r["config"])
+        unplaced = next(r for r in rows if "placed=false" in r["config"])
+        got[call] = dict(pct=f"{100 * fit['ms_per_step'] / placed['predicted_ms']:.1f}%",
+                         ms=f"{placed['ms_per_step']:.1f}",
+                         margin=f"{fit['ms_per_step'] / 0.85 - placed['predicted_ms']:.1f}",
+                         saved=f"{unplaced['ms_per_step'] - placed['ms_per_step']:.1f}",
+                         unplaced=f"{100 * fit['ms_per_step'] / unplaced['predicted_ms']:.1f}%")
+    chunks = next(r for r in raw["first"]["rows"] if "chunks=2" in r["config"])
+    fit = raw["first"]["rows"][0]
+    assert fit["via"] == "fit" and f"{100 * fit['ms_per_step'] / chunks['predicted_ms']:.1f}%" == "84.7%"
+    first, repeat = got["first"], got["repeat"]
+    assert (first["pct"], repeat["pct"], first["ms"], repeat["ms"]) == ("85.2%", "85.1%", "189.6", "190.3")
+    assert (first["margin"], repeat["margin"], first["saved"], repeat["saved"]) == ("0.5", "0.3", "4.0", "3.4")
+    assert (first["unplaced"], repeat["unplaced"]) == ("83.5%", "83.6%")
+    docs = (ROOT / "docs" / "scaling.md").read_text()
+    results = (ROOT / "kernels" / "TRAIN_RESULTS.md").read_text()
+    notebook = "".join(json.loads((ROOT / "notebooks" / "12_scaling_up.ipynb").read_text())["cells"][12]["source"])
+    for text in (docs, results, notebook):
+        for figure in ("85.2%", "85.1%", "189.6", "190.3"):
+            assert figure in text, figure
+    assert f"predicts {first['pct']} and {repeat['pct']}" in " ".join(docs.split())
+    assert "0.5 and 0.3 ms under the 85% line" in docs and "saves 4.0 and 3.4 ms a step" in docs
+    assert "0.3–0.5 ms under the 85% line" in notebook and "saves 4.0 and 3.4 ms a step" in results

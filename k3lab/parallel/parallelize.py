@@ -60,10 +60,11 @@ class ParallelOptions:
     timeout: float = DEFAULT_TIMEOUT_S  # seconds every process group waits before it fails the run
     ep_chunks: int = 1                 # with ep_plan="device": each MoE layer's tokens cut into this many chunks, each
     # planned and exchanged alone; on CUDA the exchanges run on a communication stream, so a chunk's exchange runs
-    # beside another chunk's experts (the same result: tests/test_moonep_property.py). Not yet timed: 1 by default
+    # beside another chunk's experts (the same result: tests/test_moonep_property.py). 1 by default: two chunks were
+    # not faster (a graphed EP rank of 8 on one H100, 190.3 ms a step against 189.6: docs/scaling.md, section 4h)
     shared_overlap: bool = False       # EP on CUDA: each LatentMoE's shared expert on a side stream, beside the
     # dispatcher's all-to-alls (the same result). Off by default: measured slower (a graphed EP rank of 8 on one H100,
-    # 220.4 ms a step against 193.9 in line: docs/scaling.md, section 4g)
+    # 220.4 ms a step against 193.9 in line: docs/scaling.md, section 4g; its expert runs eager there, section 4h)
     reshard_after_forward: bool = True  # FSDP2: free a sublayer's gathered weights after its forward and gather them
     # again for its backward; False keeps them until the backward (one all-gather a sublayer a step instead of two,
     # fewer hooks and copies; the gathered weights of every sublayer stay in memory through the step)
