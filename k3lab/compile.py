@@ -36,6 +36,10 @@ Graph breaks (the pieces on both sides are still compiled):
   dispatch and experts after it are compiled; an auxiliary loss it returns keeps its gradient.
 * The padded expert path (CPU; CUDA + bf16 takes ``grouped_mm``) reads ``int(counts.max())``, a
   host value: one more break, and one recompile before that piece goes dynamic.
+* LatentMoE's shared expert on a side stream (``shared_stream``, an expert-parallel run's ``shared_overlap``):
+  the stream switches run eager, so the expert there is called through ``LatentMoE.shared_side``, a compiled
+  :func:`call_module` of its own (one graph for every layer: the module is an argument). Eager, its SiTU-GLU
+  activation ran as unfused float32 kernels, 47 ms a ``small`` step on one H100 (``docs/scaling.md``, section 4h).
 
 The Triton KDA op (``k3lab.kernels.triton_kda_chunk``) is a ``torch.library`` custom op with a fake (shape)
 implementation and a registered backward, so the KDA forward is one graph with the op inside it.
@@ -74,6 +78,12 @@ def sublayer_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return found
 
 
+def call_module(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``module(x)``: compiled, the call :attr:`k3lab.moe.latent.LatentMoE.shared_side` holds. A plain function of
+    the module, not a closure over it: a deep copy of the model keeps calling its own expert."""
+    return module(x)
+
+
 def _balancer_runs_eager(moe: nn.Module) -> None:
     """Wrap ``moe.balancer.observe`` (once) so that dynamo leaves it out of the graph. A bound method on
     the instance: ``copy.deepcopy`` rebinds it to the copied balancer."""
@@ -105,9 +115,13 @@ def compile_sublayers(model: nn.Module, backend: str | None = None, **compile_kw
     for module in model.modules():  # the AttnRes depth mixes between the sublayers: one graph per source count
         if isinstance(module, K3Model) and module.use_attn_res and module.attn_res_fn is None:
             module.attn_res_fn = torch.compile(attn_res_normed, backend=backend, **compile_kwargs)
+    side = None  # one compiled call_module for every shared expert a side stream runs
     for _, module in targets:
         if isinstance(module, LatentMoE):
             _balancer_runs_eager(module)
+            if module.shared_experts is not None and module.shared_side is None:
+                side = side or torch.compile(call_module, backend=backend, **compile_kwargs)
+                module.shared_side = side
         if getattr(module, "_compiled_call_impl", None) is None:
             module.compile(backend=backend, **compile_kwargs)
     return [name for name, _ in targets]
@@ -121,6 +135,8 @@ def uncompile(model: nn.Module) -> None:
             module._compiled_call_impl = None
         if getattr(module, "attn_res_fn", None) is not None:
             module.attn_res_fn = None
+        if getattr(module, "shared_side", None) is not None:
+            module.shared_side = None
         balancer = getattr(module, "balancer", None)
         if balancer is not None and getattr(balancer.observe, "_k3lab_eager", False):
             del balancer.observe

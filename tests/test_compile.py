@@ -104,10 +104,49 @@ def test_compiled_model_keeps_its_names_and_uncompiles():
     assert moe.balancer.observe._k3lab_eager  # the balancer's bookkeeping runs outside the graph
     clone = copy.deepcopy(moe)
     assert clone.balancer.observe.__self__ is clone.balancer  # a deep copy observes with its own balancer
+    moes = [m for m in model.modules() if isinstance(m, LatentMoE)]
+    assert len(moes) == 2 and moes[0].shared_side is moes[1].shared_side is not None  # one compiled call for all
     compile_sublayers(model, backend="eager")  # idempotent
+    assert moes[0].shared_side is moes[1].shared_side
     uncompile(model)
     assert all(getattr(m, "_compiled_call_impl", None) is None for m in model.modules())
-    assert "observe" not in vars(moe.balancer)
+    assert "observe" not in vars(moe.balancer) and all(m.shared_side is None for m in moes)
+
+
+def test_the_side_streams_shared_expert_is_compiled_inside_an_eager_frame():
+    """``LatentMoE.shared_side`` (set by compile_sublayers): the shared expert a side stream runs (in a frame that
+    ``torch.compiler.disable`` keeps out of the MoE's graph, as ``LatentMoE._shared_fork`` is) is compiled there, one
+    graph for every layer's expert, and gives the module's output and gradients (aot_eager: the same kernels, so
+    exactly). A deep copy of the model calls its own expert with it."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    fresh_dynamo()
+    torch.manual_seed(0)
+    model = K3ForCausalLM(hybrid(2, num_nextn_predict_layers=1))
+    counter = CompileCounterWithBackend("aot_eager")
+    compile_sublayers(model, backend=counter)
+    moes = [m for m in model.modules() if isinstance(m, LatentMoE)]
+    h = torch.randn(64, model.config.hidden_size, requires_grad=True)
+
+    @torch.compiler.disable
+    def fork(moe, x):  # as LatentMoE._shared_fork calls it, without the stream switch (CPU)
+        return moe.shared_side(moe.shared_experts, x)
+
+    for moe in moes:
+        params = list(moe.shared_experts.parameters())
+        want = moe.shared_experts(h)
+        got = fork(moe, h)
+        assert torch.equal(got, want)
+        g = torch.randn_like(want)
+        for a, b in zip(torch.autograd.grad(got, [h, *params], g), torch.autograd.grad(want, [h, *params], g)):
+            assert torch.equal(a, b)
+    clone = copy.deepcopy(moes[0])
+    with torch.no_grad():
+        next(clone.shared_experts.parameters()).add_(1.0)  # the copy's own expert, now different
+    assert torch.equal(fork(clone, h), clone.shared_experts(h))
+    assert not torch.equal(fork(clone, h), moes[0].shared_experts(h))
+    assert counter.frame_count == 1, counter.frame_count  # one graph, reused by every layer and the copy
+    fresh_dynamo()
 
 
 def fit_both(cfg: ModelConfig, steps: int, monkeypatch, backend: str):

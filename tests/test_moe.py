@@ -362,8 +362,9 @@ def test_recorders_follow_training_forwards_only():
 def test_shared_expert_beside_the_routed_path_equals_in_line(compiled):
     """``LatentMoE.shared_stream`` (what an expert-parallel run sets on CUDA, ParallelOptions.shared_overlap): the
     shared expert's forward, and so its backward, on a side stream give the in-line module's output and every
-    gradient within 1e-6 (fp32), eager (the same kernels) and compiled (the side-stream expert runs eager between
-    the compiled pieces, where in line inductor fuses its activation)."""
+    gradient within 1e-6 (fp32), eager (the same kernels) and compiled (the side-stream expert through its own
+    compiled call, ``shared_side``, as compile_sublayers sets it: the fork itself runs outside the MoE's graph)."""
+    from k3lab.compile import call_module
     from k3lab.testing import eager_and_compiled
 
     if not torch.cuda.is_available():
@@ -372,10 +373,10 @@ def test_shared_expert_beside_the_routed_path_equals_in_line(compiled):
     assert cfg.n_shared_experts > 0
     side = torch.cuda.Stream()
 
-    def build(stream):
+    def build(stream, shared_side=None):
         def make():
             moe = LatentMoE(cfg).cuda()
-            moe.shared_stream = stream
+            moe.shared_stream, moe.shared_side = stream, shared_side
             return moe
         return make
 
@@ -384,7 +385,8 @@ def test_shared_expert_beside_the_routed_path_equals_in_line(compiled):
 
     pick = 1 if compiled else 0
     in_line = eager_and_compiled(build(None), make_input, "inductor")[pick]
-    beside = eager_and_compiled(build(side), make_input, "inductor")[pick]
+    shared_side = torch.compile(call_module, backend="inductor") if compiled else None
+    beside = eager_and_compiled(build(side, shared_side), make_input, "inductor")[pick]
     assert [k for k, g in in_line.items() if g is None] == [k for k, g in beside.items() if g is None]
     for key, want in in_line.items():
         if want is not None:

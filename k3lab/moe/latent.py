@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -301,6 +302,9 @@ class LatentMoE(nn.Module):
         # CUDA: the shared expert runs on this stream, beside the routed path (an expert-parallel run sets it with
         # ParallelOptions.shared_overlap=True: k3lab.parallel.parallelize); None: in line, on the caller's stream
         self.shared_stream: torch.cuda.Stream | None = None
+        # how the side stream calls the shared expert: ``side(shared_experts, h)``; None: the module as it is.
+        # k3lab.compile.compile_sublayers sets a compiled call, since the fork runs outside the MoE's own graph
+        self.shared_side: Callable[[nn.Module, Tensor], Tensor] | None = None
         self.balancer = make_balancer(cfg.balancer, self.gate, num_bins=cfg.qb_num_bins,
                                       aux_loss_coef=cfg.aux_loss_coef)
         self.aux_loss: Tensor | None = None
@@ -328,12 +332,15 @@ class LatentMoE(nn.Module):
         """The shared expert of ``h [N, D]`` on :attr:`shared_stream`, launched before the routed path, so that its
         kernels run beside the dispatcher's (an expert-parallel dispatcher's all-to-alls block the caller's stream).
         Autograd runs a node's backward on its forward's stream, so the backward overlaps too. The same math as in
-        line (eager, the same kernels; compiled, this expert runs eager between the compiled pieces). Measured slower
-        than in line on one H100 (``docs/scaling.md``, section 4g), so off unless asked for."""
+        line (eager, the same kernels). The fork is outside ``torch.compile`` (it switches streams), so a compiled
+        model runs the expert through :attr:`shared_side`, its own compiled call; without it the expert ran eager,
+        its activation unfused (measured slower than in line on one H100: ``docs/scaling.md``, sections 4g and 4h),
+        so the side stream is off unless asked for."""
         side, caller = self.shared_stream, torch.cuda.current_stream(h.device)
         side.wait_stream(caller)                   # h (and the gathered weights) are ready
         with torch.cuda.stream(side):
-            s = self.shared_experts(h)                                              # [N, D]
+            s = (self.shared_experts(h) if self.shared_side is None
+                 else self.shared_side(self.shared_experts, h))                     # [N, D]
         h.record_stream(side)                      # h's memory is not reused before the side stream has read it
         return s
 
