@@ -494,7 +494,8 @@ class _FixedSizeExchange(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _fixed_size_all_to_all(grad, ctx.rows_in, ctx.group, *_reverse(ctx.take, ctx.place)), None, None, None, None
+        orders = _reverse(ctx.take, ctx.place)
+        return (_fixed_size_all_to_all(grad, ctx.rows_in, ctx.group, *orders),) + (None,) * 4
 
 
 def _reverse(take, place):

@@ -304,7 +304,7 @@ def test_emulated_exchange_takes_its_modelled_time_and_moves_the_stand_ins_rows(
         take, place = (torch.randperm(4096, device=dev) for _ in range(2))
         orders = dict(take=(take, take.argsort()), place=(place, place.argsort()))
         g = torch.randn(4096, 512, device=dev)
-        got = [exchange(x, None, None, 4096, None, **orders), ps.fixed_size_exchange(x, None, None, 4096, None, **orders)]
+        got = [ex(x, None, None, 4096, None, **orders) for ex in (exchange, ps.fixed_size_exchange)]
         grads = [torch.autograd.grad(y, x, g)[0] for y in got]
         assert torch.equal(got[0], got[1]) and torch.equal(got[1], x.detach()[take][place])
         assert torch.equal(grads[0], grads[1]) and torch.equal(grads[1][take][place], g)

@@ -283,8 +283,8 @@ class StaticMoonEPDispatcher:
             y = experts(f["x_recv"], f["bank_counts"], weights)                           # [M, L] by bank
             f["y_back"] = self._exchange(y, f["splits"], 1, 0, M, (c, 2), take=(perm_inv, perm))  # (d, e, p) order
         else:
-            y = experts(self._rows(f["x_recv"], perm, perm_inv, 1), f["bank_counts"], weights)  # [M, L] by bank
-            y_recv = self._rows(y, perm_inv, perm, 1)                                     # [M, L] (s, e, p) order
+            y = experts(permute_rows(f["x_recv"], perm, perm_inv), f["bank_counts"], weights)  # [M, L] by bank
+            y_recv = permute_rows(y, perm_inv, perm)                                      # [M, L] (s, e, p) order
             f["y_back"] = self._exchange(y_recv, f["splits"], 1, 0, M, (c, 2))            # [M, L] (d, e, p) order
 
     def _combine(self, f: dict, topk_weight: Tensor, c: int) -> Tensor:
