@@ -590,20 +590,26 @@ def resolve_profile(cfg: TrainConfig, device_type: str, world_size: int = 1, ep:
 
 
 def resolve_ep_plan(cfg: TrainConfig, parallel, device_type: str, world_size: int):
-    """``parallel`` with the fast profile's MoonEP plan, and the ``field=value`` setting it made (or none).
+    """``parallel`` with the fast profile's MoonEP settings, and the ``field=value`` settings it made (or none).
 
     ``"fast"`` on CUDA, with expert parallelism above 1, MoonEP and compiled sublayers, plans on the device
     (``ep_plan="device"``, :mod:`k3lab.parallel.expert_static`) where ``parallel`` leaves the plan at its default
     ("host"): one H100, 2026-12-07, ``fit`` as a compiled fake rank of 8 with EP = 8 ran 311.2 ms a step planned on
     the device against 574.0 ms planned on the host, in one invocation (``kernels/TRAIN_RESULTS.md``). Equal to one
-    process at 4 and 8 gloo ranks (``tests/test_moonep_property.py``). Not with context parallelism (EP with CP is
-    tested planned on the host only). Otherwise ``parallel`` is returned as given."""
+    process at 4 and 8 gloo ranks (``tests/test_moonep_property.py``). With the plan on the device it also runs the
+    shared expert on a side stream (``shared_overlap=True``) where ``parallel`` leaves it off: one H200, 2026-12-07,
+    the graphed rank with its all-to-alls emulated took 172.8 and 172.2 ms a step against 194.1 and 186.6 in line,
+    two invocations (``docs/scaling.md``, section 4i). Not with context parallelism (EP with CP is tested planned on
+    the host only). Otherwise ``parallel`` is returned as given."""
     if (cfg.profile != "fast" or device_type != "cuda" or world_size <= 1 or parallel is None or parallel.ep <= 1
             or parallel.cp > 1 or parallel.ep_kind != "moonep" or cfg.compile == "none"):
         return parallel, []
-    if parallel.ep_plan != {f.name: f.default for f in dataclasses.fields(type(parallel))}["ep_plan"]:
-        return parallel, []  # a plan the run set keeps
-    return dataclasses.replace(parallel, ep_plan="device"), ["ep_plan='device'"]
+    defaults = {f.name: f.default for f in dataclasses.fields(type(parallel))}
+    if parallel.ep_plan != defaults["ep_plan"]:
+        return parallel, []  # a plan the run set keeps, and so does the rest
+    want = dict(ep_plan="device", shared_overlap=True)
+    chosen = {k: v for k, v in want.items() if getattr(parallel, k) == defaults[k]}
+    return dataclasses.replace(parallel, **chosen), [f"{k}={v!r}" for k, v in chosen.items()]
 
 
 def fit(model, train_batches, cfg: TrainConfig, val_batches=None, resume_from: str | os.PathLike | None = None,

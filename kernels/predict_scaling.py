@@ -61,7 +61,10 @@ in the measured step),
 default), ``baseline=world1|local-experts``, ``vocab=V``, ``graph=true|false`` (forward, backward and gradient
 norm replayed as one CUDA graph, :class:`k3lab.cuda_graph.GraphedForwardBackward`, captured after the counting
 step; the update stays eager and updates the captured gradients in place; with EP only ``ep_kind=static``, since
-the other dispatchers read their all-to-all sizes on the host; the one-GPU baseline is graphed too).
+the other dispatchers read their all-to-all sizes on the host; the one-GPU baseline is graphed too), ``lent=N``
+(``ep_kind=static``: the replica-weight exchanges move N experts' weights each way, :func:`fixed_size_weights`;
+default E/ep, MoonEP's bound, every rank borrowing its most in every layer; what a balanced router lends:
+:func:`k3lab.experiments.moe_simulate.moonep_lending`).
 
 Debugging: ``--raise-errors`` stops at the first failing config (else its row says OOM or the error);
 ``K3LAB_PREDICT_ANOMALY=1`` runs the steps under autograd anomaly mode (a failing backward op names its
@@ -488,14 +491,14 @@ def _probe_fills(device: torch.device) -> dict:
 
 class _FixedSizeExchange(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, rows_out, group, take, place):
-        ctx.rows_in, ctx.group, ctx.take, ctx.place = x.shape[0], group, take, place
-        return _fixed_size_all_to_all(x, rows_out, group, take, place)
+    def forward(ctx, x, rows_out, group, take, place, most):
+        ctx.rows_in, ctx.group, ctx.take, ctx.place, ctx.most = x.shape[0], group, take, place, most
+        return _fixed_size_all_to_all(x, rows_out, group, take, place, most)
 
     @staticmethod
     def backward(ctx, grad):
         orders = _reverse(ctx.take, ctx.place)
-        return (_fixed_size_all_to_all(grad, ctx.rows_in, ctx.group, *orders),) + (None,) * 4
+        return (_fixed_size_all_to_all(grad, ctx.rows_in, ctx.group, *orders, ctx.most),) + (None,) * 5
 
 
 def _reverse(take, place):
@@ -505,15 +508,15 @@ def _reverse(take, place):
     return flip(place), flip(take)
 
 
-def _fixed_size_all_to_all(x, rows, group, take=None, place=None):
+def _fixed_size_all_to_all(x, rows, group, take=None, place=None, most=None):
     """``x [C_in, …]`` -> ``[rows, …]``: one equal-split all-to-all of min(C_in, rows) rows (the most either buffer
-    lets a device-initiated exchange move), padded with zero rows to ``rows``; ``take``/``place`` (``(order,
-    inverse)`` or None) gather the rows before and after it, as a two-dimensional all-to-all writes them
-    (:data:`k3lab.parallel.expert_static.Exchange`)."""
+    lets a device-initiated exchange move; at most ``most`` where given), padded with zero rows to ``rows``;
+    ``take``/``place`` (``(order, inverse)`` or None) gather the rows before and after it, as a two-dimensional
+    all-to-all writes them (:data:`k3lab.parallel.expert_static.Exchange`)."""
     if take is not None:
         x = x.index_select(0, take[0])
     n = dist.get_world_size(group)
-    k = min(rows, x.shape[0])
+    k = min(rows, x.shape[0], rows if most is None else most)
     flat = x[:k].reshape(-1)
     pad = (-flat.numel()) % n  # equal splits: a multiple of the group size
     flat = torch.cat([flat, flat.new_zeros(pad)]) if pad else flat.contiguous()
@@ -531,11 +534,24 @@ def fixed_size_exchange(x, send, recv, rows_out, group, take=None, place=None):
     taken and placed in the dispatcher's orders (``take``/``place``) as a two-dimensional all-to-all writes them. On
     the fake group it returns this rank's own rows, so every rank computes rows as the simulated one does; it routes
     nothing."""
-    return _FixedSizeExchange.apply(x, rows_out, group, take, place)
+    return _FixedSizeExchange.apply(x, rows_out, group, take, place, None)
 
 
 fixed_size_exchange.capturable = True  # no host read: a CUDA graph records it (k3lab.parallel.expert_static.capturable)
 fixed_size_exchange.places_rows = True  # takes and places rows itself (k3lab.parallel.expert_static.Exchange)
+
+def fixed_size_weights(lent: int):
+    """:func:`fixed_size_exchange` for MoonEP's replica weights (the dispatcher's ``weight_exchange``) that moves
+    ``lent`` weight rows each way instead of the El its buffer holds: the bytes a device-initiated exchange moves when
+    a rank borrows ``lent`` experts a MoE layer (it moves what the plan lends, where the stand-in cannot read that
+    without a host read). ``lent`` = El is the bound (every rank borrowing E/R experts in every layer)."""
+
+    def exchange(x, send, recv, rows_out, group, take=None, place=None):
+        return _FixedSizeExchange.apply(x, rows_out, group, take, place, lent)
+
+    exchange.capturable, exchange.places_rows = True, True
+    return exchange
+
 
 def unplaced(exchange):
     """``exchange`` (:func:`fixed_size_exchange`, :func:`emulated_exchange`) without its row orders: the dispatcher
@@ -664,7 +680,7 @@ def fake_rank(world: int, rank: int, device: torch.device):
 PRESETS = ("tiny", "small", "k3slice")
 OPTIONS = {"optimizer": ("adamw", "sgd"), "recompute": None, "layers": int, "rank": int,
            "ep_kind": ("moonep", "ep", "static"), "baseline": ("world1", "local-experts"), "init": ("device", "meta"),
-           "vocab": int, "reshard": ("true", "false"), "graph": ("true", "false")}
+           "vocab": int, "reshard": ("true", "false"), "graph": ("true", "false"), "lent": int}
 
 
 @dataclass(frozen=True)
@@ -1020,6 +1036,9 @@ def run_config(spec: Spec, args, *, process_group: str = "fake") -> dict:
         model.fused_loss = args.fused_loss
         reshard = spec.option("reshard", "true") == "true"  # FSDP2 reshard_after_forward
         ep_kind = spec.option("ep_kind", "moonep")
+        if spec.option("lent") is not None and (ep_kind != "static" or spec.ep == 1):
+            raise ValueError(f"config {spec.name!r}: lent= sizes MoonEP's replica-weight exchange: it needs "
+                             f"ep_kind=static and ep > 1")
         model, experts = parallelize(model, groups, device, ep_kind="moonep" if ep_kind == "static" else ep_kind,
                                      cp_layout="contiguous", recompute=spec.option("recompute", args.recompute),
                                      compile=args.compile, param_dtype=param_dtype if distributed else None,
@@ -1027,7 +1046,12 @@ def run_config(spec: Spec, args, *, process_group: str = "fake") -> dict:
         if ep_kind == "static" and spec.ep > 1:
             from k3lab.parallel.expert_static import apply_static_moonep
 
-            apply_static_moonep(model, groups.ep, fixed_size_exchange)
+            lent = spec.option("lent")  # None: the bound, El weight rows each way
+            if lent is not None and not 0 <= lent <= cfg.n_routed_experts // spec.ep:
+                raise ValueError(f"config {spec.name!r}: lent={lent}: a rank borrows 0 to E/ep = "
+                                 f"{cfg.n_routed_experts // spec.ep} experts")
+            apply_static_moonep(model, groups.ep, fixed_size_exchange,
+                                weight_exchange=None if lent is None else fixed_size_weights(lent))
         if meta:
             model.to_empty(device=device)
             init_for_timing(model, cfg.initializer_range)

@@ -83,7 +83,7 @@ def test_config_names():
         for name in names:
             ps.parse_config(name)
     for bad in ("small-16x1024", "huge-w2-2x64", "tiny-w2-2x", "tiny-w3-ep2-2x64", "tiny-w2-2x64@optimizer=lion",
-                "tiny-w2-2x64@graph=yes"):
+                "tiny-w2-2x64@graph=yes", "tiny-w2-ep2-2x64@lent=x"):
         with pytest.raises(ValueError):
             ps.parse_config(bad)
 
@@ -93,7 +93,8 @@ def fake_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("predict") / "rows.json"
     cmd = [sys.executable, str(SCRIPT), "--device", "cpu", "--dtype", "float32", "--steps", "1", "--warmup", "1",
            "--configs", "tiny-w2-2x32", "tiny-w2-ep2-2x32@init=meta", "tiny-w2-2x32@reshard=false",
-           "tiny-w4-ep4-2x32@ep_kind=static", "--json", str(out), "--raise-errors"]
+           "tiny-w4-ep4-2x32@ep_kind=static", "tiny-w4-ep4-2x32@ep_kind=static,lent=1", "--json", str(out),
+           "--raise-errors"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = {r["config"]: r for r in json.loads(out.read_text())}
@@ -192,6 +193,11 @@ def test_fake_pg_counts_the_fixed_shape_exchange(fake_run):
     weight_numel = El * 3 * w1.shape[1] * w1.shape[2]
     weight_bytes = (weight_numel + (-weight_numel) % R) * 4
     assert _by_source_kind(row)[("ep", "all_to_all")] == moe_layers * (4 * rows_bytes + 2 * weight_bytes)
+    # lent=1: the weight exchanges move one expert's weights each way (a rank borrowing one expert), the rows as before
+    lent = rows["tiny-w4-ep4-2x32@ep_kind=static,lent=1"]
+    one = 3 * w1.shape[1] * w1.shape[2]
+    assert lent["finite"] and lent["uncounted_bytes"] == {}
+    assert _by_source_kind(lent)[("ep", "all_to_all")] == moe_layers * (4 * rows_bytes + 2 * (one + (-one) % R) * 4)
 
 
 def test_host_profile_attributes_time_by_package():
@@ -221,6 +227,17 @@ def test_host_profile_attributes_time_by_package():
     assert prof["wall_ms"] >= sum(prof["buckets"].values()) * 0.9
     assert prof["buckets"]["k3lab"] > 0 and prof["buckets"]["C++ (ops, launches, backward engine)"] > 0
     assert any("attn_res" in name and calls == 200 for name, calls, _ in prof["top"]), prof["top"]
+
+
+def test_lent_is_refused_where_it_sizes_nothing():
+    """lent= sizes the static MoonEP dispatcher's replica-weight exchange: refused by name without it, or above the
+    E/ep experts a rank can borrow."""
+    ps = load_script()
+    args = ps.build_parser().parse_args(["--device", "cpu", "--dtype", "float32", "--steps", "1", "--warmup", "1"])
+    with pytest.raises(ValueError, match="lent= sizes MoonEP's replica-weight exchange: it needs ep_kind=static"):
+        ps.run_config(ps.parse_config("tiny-w2-ep2-2x32@lent=1"), args, process_group="fake")
+    with pytest.raises(ValueError, match=r"lent=99: a rank borrows 0 to E/ep = \d+ experts"):
+        ps.run_config(ps.parse_config("tiny-w2-ep2-2x32@ep_kind=static,lent=99"), args, process_group="fake")
 
 
 def test_graphed_config_is_refused_where_it_cannot_run():

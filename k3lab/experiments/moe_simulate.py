@@ -122,3 +122,38 @@ class MaxViolationRecorder:
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
+
+
+def moonep_lending(balancer: str, n: int, k: int, ranks: int, tokens_per_rank: int, steps: int, warmup: int,
+                   skew: float = 2.0, drift: float = 0.0, seed: int = 0, num_bins: int = 1000) -> dict:
+    """How many experts MoonEP lends on synthetic routings under ``balancer``: what the replica-weight exchange moves.
+
+    Each step routes ``ranks · tokens_per_rank`` fresh tokens (:func:`skewed_scores`) with the bias of the previous
+    steps, rank r holding tokens ``[r·S, (r+1)·S)``; the step's counts ``tpe [R, E]`` are planned as MoonEP plans
+    them (:func:`k3lab.parallel.expert_static.plan_moonep_torch`), then the balancer updates on the whole batch (the
+    all-reduced statistics). From step ``warmup`` on, per step: ``borrowed`` = the most experts one rank borrows
+    (replicas it fetches: the rows its weight exchange receives; MoonEP bounds it by E/R), ``lent`` = the most
+    (expert, receiver) pairs one home rank sends, and ``max_violation`` (the batch's ``max_j load_j/target − 1``).
+    Returns lists of those, one entry a step, and ``bound`` = E/R."""
+    from k3lab.parallel.expert_static import plan_moonep_torch
+
+    if n % ranks:
+        raise ValueError(f"moonep_lending: ranks={ranks} must divide n={n} experts")
+    holder = _BiasHolder(n, k)
+    bal = make_balancer(balancer, holder, num_bins=num_bins)
+    El, out = n // ranks, dict(borrowed=[], lent=[], max_violation=[], bound=n // ranks)
+    home = torch.arange(n)[:, None] // El == torch.arange(ranks)[None]                    # [E, R] home pairs
+    for step in range(steps):
+        route = route_scores(skewed_scores(ranks * tokens_per_rank, n, step, skew, drift, seed),
+                             holder.e_score_correction_bias, k)
+        idx = route.topk_idx.reshape(ranks, tokens_per_rank * k)                           # [R, S·K]
+        tpe = torch.zeros(ranks, n, dtype=torch.int64).scatter_add_(1, idx, torch.ones_like(idx))  # [R, E]
+        alloc, _, _ = plan_moonep_torch(tpe)                                               # [E, R]
+        replica = alloc.gt(0) & ~home                                                      # [E, R] (e, borrower)
+        bal.observe(route)
+        if step >= warmup:
+            out["borrowed"].append(int(replica.sum(0).max()))
+            out["lent"].append(int(replica.view(ranks, El, ranks).sum((1, 2)).max()))
+            out["max_violation"].append(bal.metrics()["max_violation"])
+        bal.update()
+    return out

@@ -207,6 +207,14 @@ class RoutedExperts(nn.Module):
             impl = "grouped" if grouped_mm_available(x) else "padded"
         return getattr(self, f"forward_{impl}")(x, counts, weights)
 
+    def matmul_dtype(self, x: Tensor) -> torch.dtype:
+        """The dtype the expert matmuls read the weights in, for rows ``x``: autocast's where it is on for ``x``'s
+        device (every path casts the weights to it), else ``x``'s own (the grouped path casts the weights to it, the
+        others need them equal). A caller that moves the weights (the expert-parallel replicas) can cast them to it
+        first and change no value the experts compute, nor any gradient (a cast's backward casts back)."""
+        kind = x.device.type
+        return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
+
     def _weights(self, weights: ExpertWeights | None) -> ExpertWeights:
         """(w1, w3, w2): the given ones, or the module's own."""
         return (self.w1, self.w3, self.w2) if weights is None else weights

@@ -168,6 +168,9 @@ class StaticMoonEPDispatcher:
     Records ``last_alloc`` ([E, R] int64) and ``last_slots_per_rank`` ([R] int64: the rows each rank receives by the
     plan, S·K on every rank), both on the device, after each forward.
 
+    ``weight_exchange``: the exchange of step 4 (None: ``exchange``; a timing harness gives it a stand-in that moves
+    a stated number of weight rows, ``kernels/predict_scaling.py``'s ``lent=``).
+
     ``chunks`` (``ParallelOptions.ep_chunks``): the S tokens cut into equal chunks, each planned and exchanged alone
     (S·K/chunks slots a rank each; ``last_alloc`` is then the sum of the chunks' plans). Every chunk is planned and
     sent before any is computed; with ``comm_stream`` (CUDA) the exchanges run there and each chunk's experts wait on
@@ -175,8 +178,9 @@ class StaticMoonEPDispatcher:
     """
 
     def __init__(self, group: ProcessGroup | None, num_experts: int, exchange: Exchange = exchange_reference,
-                 backend: str = "torch"):
+                 backend: str = "torch", weight_exchange: Exchange | None = None):
         self.group, self.num_experts, self.exchange = group, num_experts, exchange
+        self.weight_exchange = exchange if weight_exchange is None else weight_exchange  # step 4's
         self.num_ranks, self.rank = group_size(group), group_rank(group)
         check_divisible(num_experts, self.num_ranks)
         self.num_local = num_experts // self.num_ranks
@@ -244,7 +248,7 @@ class StaticMoonEPDispatcher:
         place = bank_order if self._places_rows else None
         x_recv = self._exchange(self._rows(z, send_slots, send_inv, K), splits, 0, 1, M, (c, 0),
                                 place=place)                                              # [M, L] by bank or (s, e, p)
-        replicas = self._replicas(experts, rep, splits, (c, 1))                           # [El, 3·I·L]
+        replicas = self._replicas(experts, rep, splits, (c, 1), experts.matmul_dtype(z))  # [El, 3·I·L]
         return dict(S=S, K=K, M=M, n=n, alloc=alloc, counts=counts, splits=splits, send_slots=send_slots,
                     send_inv=send_inv, x_recv=x_recv, replicas=replicas, bank_counts=bank_counts,
                     bank_order=bank_order)
@@ -311,24 +315,27 @@ class StaticMoonEPDispatcher:
 
     @torch.compiler.disable  # the exchange may read its split sizes on the host (exchange_reference): eager
     def _exchange(self, x: Tensor, splits: Tensor, i_send: int, i_recv: int, rows_out: int,
-                  key: tuple[int, int], **orders: tuple[Tensor, Tensor] | None) -> Tensor:
+                  key: tuple[int, int], exchange: Exchange | None = None,
+                  **orders: tuple[Tensor, Tensor] | None) -> Tensor:
         """The exchange of ``x`` with rows ``splits[i_send]`` out and ``splits[i_recv]`` in (``splits [4, R]``: rows
         out, rows in, weight rows out, weight rows in); ``orders``: ``take``/``place`` for an exchange that places
         rows (:data:`Exchange`), passed on where given. For an exchange with ``host_splits`` the first call of a
         chunk's forward copies ``splits`` to the host and the next ones reuse it (one device-to-host read a chunk).
         With :attr:`comm_stream` the exchange runs on it (after what the caller's stream has queued; autograd runs its
-        backward there too) and :meth:`_wait` with the same ``key`` makes the caller's stream wait for it."""
-        if getattr(self.exchange, "host_splits", False):
+        backward there too) and :meth:`_wait` with the same ``key`` makes the caller's stream wait for it.
+        ``exchange``: None for :attr:`exchange`, else the one given (:attr:`weight_exchange`)."""
+        exchange = self.exchange if exchange is None else exchange
+        if getattr(exchange, "host_splits", False):
             if self._host is None or self._host[0] is not splits:
                 self._host, self.host_reads = (splits, splits.cpu()), self.host_reads + 1
             splits = self._host[1]
         orders = {name: o for name, o in orders.items() if o is not None}
         if self.comm_stream is None or not x.is_cuda:
-            return self.exchange(x, splits[i_send], splits[i_recv], rows_out, self.group, **orders)
+            return exchange(x, splits[i_send], splits[i_recv], rows_out, self.group, **orders)
         caller = torch.cuda.current_stream(x.device)
         self.comm_stream.wait_stream(caller)
         with torch.cuda.stream(self.comm_stream):
-            out = self.exchange(x, splits[i_send], splits[i_recv], rows_out, self.group, **orders)
+            out = exchange(x, splits[i_send], splits[i_recv], rows_out, self.group, **orders)
             self._done[key] = torch.cuda.Event()
             self._done[key].record()
         for t in (x, *[i for o in orders.values() for i in o]):
@@ -343,40 +350,46 @@ class StaticMoonEPDispatcher:
         if done is not None:
             torch.cuda.current_stream().wait_event(done)
 
-    def _replicas(self, experts: RoutedExperts, rep: Tensor, splits: Tensor, key: tuple[int, int]) -> Tensor:
+    def _replicas(self, experts: RoutedExperts, rep: Tensor, splits: Tensor, key: tuple[int, int],
+                  dtype: torch.dtype) -> Tensor:
         """This rank's replicas' weights fetched from their donor in ascending global id, zero-padded to El: ``[El,
         3·I·L]`` rows (w1, w3, w2 flattened; :meth:`_bank_weights` puts them after the home experts). A home rank
         sends its lent (expert, receiver) pairs receiver-major in a fixed buffer of El + R − 2 rows (padding rows:
         expert 0, not sent); the backward returns each replica's gradient home, where ``index_select``'s backward
-        adds it into the local parameter's."""
+        adds it into the local parameter's. The rows travel in ``dtype``, the one the expert matmuls read them in
+        (:meth:`~k3lab.moe.latent.RoutedExperts.matmul_dtype`: bf16 under autocast, half the bytes of the fp32
+        parameters, the same values; their gradients come back in it, as the matmuls produce them)."""
         R, r, El = self.num_ranks, self.rank, self.num_local
         own = (experts.w1, experts.w3, experts.w2)                                        # [El, I, L] ×2, [El, L, I]
         lent = rep[r * El:(r + 1) * El].T.reshape(-1)                                     # [R·El] (d, e_local)
         cap_out = min(El + R - 2, R * El)
         pick = (~lent).to(torch.int8).argsort(stable=True)[:cap_out] % El                 # [cap_out] lent first
-        rows = torch.cat([w.index_select(0, pick).flatten(1) for w in own], 1)            # [cap_out, 3·I·L]
-        return self._exchange(rows, splits, 2, 3, El, key)                                # [El, 3·I·L]
+        rows = torch.cat([w.index_select(0, pick).flatten(1) for w in own], 1).to(dtype)  # [cap_out, 3·I·L]
+        return self._exchange(rows, splits, 2, 3, El, key, self.weight_exchange)          # [El, 3·I·L]
 
     def _bank_weights(self, experts: RoutedExperts, got: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """(w1, w3, w2) of the bank: the El home experts, then the replica rows ``got`` of :meth:`_replicas` (once
-        their exchange has been waited for)."""
+        their exchange has been waited for), in ``got``'s dtype (the one the expert matmuls read)."""
         own = (experts.w1, experts.w3, experts.w2)                                        # [El, I, L] ×2, [El, L, I]
         parts = got.split([w[0].numel() for w in own], 1)
-        return tuple(torch.cat([w, p.view(self.num_local, *w.shape[1:])]) for w, p in zip(own, parts))
+        return tuple(torch.cat([w.to(got.dtype), p.view(self.num_local, *w.shape[1:])]) for w, p in zip(own, parts))
 
 
 def apply_static_moonep(model_or_moe: nn.Module, ep_group: ProcessGroup | None,
                         exchange: Exchange | None = None, chunks: int = 1,
-                        comm_stream: "torch.cuda.Stream | None" = None) -> nn.Module:
+                        comm_stream: "torch.cuda.Stream | None" = None,
+                        weight_exchange: Exchange | None = None) -> nn.Module:
     """Swap every expert-parallel :class:`LatentMoE`'s dispatcher (after
     :func:`k3lab.parallel.expert.apply_expert_parallel` with ``kind="moonep"``) for a
     :class:`StaticMoonEPDispatcher` over ``ep_group`` with ``exchange`` (None: :func:`current_exchange`), cutting
     each MoE layer's tokens into ``chunks`` (``ParallelOptions.ep_chunks``), its exchanges on ``comm_stream`` (CUDA;
-    None: on the caller's stream). Returns ``model_or_moe``."""
+    None: on the caller's stream); the replica weights through ``weight_exchange`` (None: ``exchange``). Returns
+    ``model_or_moe``."""
     exchange = current_exchange() if exchange is None else exchange
     for moe in [m for m in model_or_moe.modules() if isinstance(m, LatentMoE)]:
         if getattr(moe.dispatcher, "kind", None) != "moonep":
             raise ValueError("apply_static_moonep: apply_expert_parallel(..., kind='moonep') first")
-        moe.dispatcher = StaticMoonEPDispatcher(ep_group, moe.experts.num_experts, exchange, moe.gate.backend)
+        moe.dispatcher = StaticMoonEPDispatcher(ep_group, moe.experts.num_experts, exchange, moe.gate.backend,
+                                                weight_exchange)
         moe.dispatcher.chunks, moe.dispatcher.comm_stream = chunks, comm_stream
     return model_or_moe

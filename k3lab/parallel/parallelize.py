@@ -63,8 +63,9 @@ class ParallelOptions:
     # beside another chunk's experts (the same result: tests/test_moonep_property.py). 1 by default: two chunks were
     # not faster (a graphed EP rank of 8 on one H100, 190.3 ms a step against 189.6: docs/scaling.md, section 4h)
     shared_overlap: bool = False       # EP on CUDA: each LatentMoE's shared expert on a side stream, beside the
-    # dispatcher's all-to-alls (the same result). Off by default: measured slower (a graphed EP rank of 8 on one H100,
-    # 220.4 ms a step against 193.9 in line: docs/scaling.md, section 4g; its expert runs eager there, section 4h)
+    # dispatcher's all-to-alls (the same result), compiled there with the sublayers. Off by default; the fast profile
+    # turns it on with ep_plan="device" (k3lab.train.resolve_ep_plan): a graphed EP rank of 8 on one H200 took 172.8
+    # and 172.2 ms a step against 194.1 and 186.6 in line (docs/scaling.md, section 4i)
     reshard_after_forward: bool = True  # FSDP2: free a sublayer's gathered weights after its forward and gather them
     # again for its backward; False keeps them until the backward (one all-gather a sublayer a step instead of two,
     # fewer hooks and copies; the gathered weights of every sublayer stay in memory through the step)
