@@ -70,3 +70,38 @@ def test_the_recorded_placed_exchange_figures_are_the_raw_rows():
     assert f"predicts {first['pct']} and {repeat['pct']}" in " ".join(docs.split())
     assert "0.5 and 0.3 ms under the 85% line" in docs and "saves 4.0 and 3.4 ms a step" in docs
     assert "0.3–0.5 ms under the 85% line" in notebook and "saves 4.0 and 3.4 ms a step" in results
+
+
+OVERLAP = ROOT / "kernels" / "results" / "2026-12-07-ep-shared-overlap-h200.json"
+
+
+def test_the_recorded_side_stream_figures_are_the_raw_rows():
+    """docs/scaling.md section 4i, kernels/TRAIN_RESULTS.md, notebook 12 and the fast profile's docstring quote the
+    H200 calls: the EP rank with the shared expert on a side stream against in line, each as a share of ``fit``'s
+    best step in the same call, and the time the side stream saved. Recomputed from the raw rows."""
+    raw = json.loads(OVERLAP.read_text())
+    assert raw["device"] == "NVIDIA H200"
+    got = {}
+    for call in ("first", "repeat"):
+        rows = raw[call]["rows"]
+        fit = next(r for r in rows if r["via"] == "fit")
+        side = next(r for r in rows if "overlap=true," in r["config"] and "chunks" not in r["config"])
+        line = next(r for r in rows if r["via"] != "fit" and "overlap" not in r["config"])
+        chunks = next(r for r in rows if "chunks=2" in r["config"])
+        pct = lambda r: f"{100 * fit['ms_per_step'] / r['predicted_ms']:.1f}%"  # noqa: E731
+        got[call] = dict(side=pct(side), line=pct(line), chunks=pct(chunks), side_ms=f"{side['ms_per_step']:.1f}",
+                         line_ms=f"{line['ms_per_step']:.1f}", saved=f"{line['ms_per_step'] - side['ms_per_step']:.1f}")
+    first, repeat = got["first"], got["repeat"]
+    assert (first["side"], repeat["side"], first["line"], repeat["line"]) == ("83.9%", "85.3%", "74.7%", "78.8%")
+    assert (first["side_ms"], repeat["side_ms"], first["line_ms"], repeat["line_ms"]) == ("172.8", "172.2", "194.1",
+                                                                                          "186.6")
+    assert (first["saved"], repeat["saved"], first["chunks"], repeat["chunks"]) == ("21.4", "14.5", "85.2%", "84.2%")
+    docs = " ".join((ROOT / "docs" / "scaling.md").read_text().split())
+    results = (ROOT / "kernels" / "TRAIN_RESULTS.md").read_text()
+    notebook = " ".join("".join(json.loads((ROOT / "notebooks" / "12_scaling_up.ipynb").read_text())["cells"][12]
+                                ["source"]).split())
+    train = " ".join((ROOT / "k3lab" / "train.py").read_text().split())
+    assert "saves 21.4 and 14.5 ms a step" in docs and "**83.9% and 85.3%**" in docs
+    assert "saves 21.4 and 14.5 ms a step" in results and "83.9% and 85.3% with the side stream" in results
+    assert "saves 21.4 and 14.5 ms a step" in notebook and "**83.9% and 85.3%**" in notebook
+    assert "took 172.8 and 172.2 ms a step against 194.1 and 186.6 in line" in train
