@@ -352,3 +352,24 @@ def test_spawned_errors_name_the_field(spawned, world):
     for res in spawned[world]:
         assert "tokens per rank S" in res["errors"]["uneven moonep"]
         assert f"n_routed_experts={2 * world - 1}" in res["errors"]["indivisible"]
+
+
+def test_moonep_lending_counts_what_the_host_planner_lends():
+    """k3lab.experiments.moe_simulate.moonep_lending (the replica counts behind predict_scaling's lent=): its first
+    step, with no balancer (bias 0), counted again from the same routing by the host planner; every step within
+    MoonEP's bound E/R; and Quantile Balancing brings the batch's max violation down where no balancer does not."""
+    from k3lab.experiments.moe_simulate import moonep_lending
+    from k3lab.moe.router import route_scores
+
+    n, k, R, S = 64, 4, 4, 256
+    plain = moonep_lending("none", n, k, R, S, steps=3, warmup=0, skew=1.0, seed=3)
+    route = route_scores(skewed_scores(R * S, n, 0, 1.0, 0.0, 3), torch.zeros(n), k)
+    tpe = torch.zeros(R, n, dtype=torch.int64).scatter_add_(
+        1, route.topk_idx.reshape(R, S * k), torch.ones(R, S * k, dtype=torch.int64))  # [R, E]
+    plan = plan_moonep(tpe, k)
+    assert plain["borrowed"][0] == int(plan.num_replicas.max()) > 0
+    assert plain["lent"][0] == int(plan.replicas.view(R, n // R, R).sum((1, 2)).max())
+    balanced = moonep_lending("quantile_hist", n, k, R, S, steps=6, warmup=3, skew=1.0, seed=3)
+    for run in (plain, balanced):
+        assert run["bound"] == n // R and max(run["borrowed"]) <= n // R
+    assert max(balanced["max_violation"]) < min(plain["max_violation"])

@@ -151,9 +151,9 @@ def moonep_lending(balancer: str, n: int, k: int, ranks: int, tokens_per_rank: i
         alloc, _, _ = plan_moonep_torch(tpe)                                               # [E, R]
         replica = alloc.gt(0) & ~home                                                      # [E, R] (e, borrower)
         bal.observe(route)
+        bal.update()  # (its metrics are the observed batch's, as in simulate_balancing)
         if step >= warmup:
             out["borrowed"].append(int(replica.sum(0).max()))
             out["lent"].append(int(replica.view(ranks, El, ranks).sum((1, 2)).max()))
             out["max_violation"].append(bal.metrics()["max_violation"])
-        bal.update()
     return out
