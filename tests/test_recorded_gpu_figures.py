@@ -2,6 +2,7 @@
 section 4g) are the raw rows' (kernels/results/2026-12-07-fit-ep-rank-emulated-exchange-h100.json), recomputed here:
 a transcription error fails."""
 import json
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -105,3 +106,43 @@ def test_the_recorded_side_stream_figures_are_the_raw_rows():
     assert "saves 21.4 and 14.5 ms a step" in results and "83.9% and 85.3% with the side stream" in results
     assert "saves 21.4 and 14.5 ms a step" in notebook and "**83.9% and 85.3%**" in notebook
     assert "took 172.8 and 172.2 ms a step against 194.1 and 186.6 in line" in train
+
+
+K3SLICE = ROOT / "kernels" / "results" / "2026-12-07-k3slice-static-ep-h200.json"
+LENDING = ROOT / "kernels" / "results" / "2026-12-07-moonep-lending-k3-cpu.json"
+
+
+def test_the_recorded_k3_slice_figures_are_the_raw_rows():
+    """docs/scaling.md section 4j: the K3 slice's first graphed EP rank (its share, its all-to-all bytes and the
+    weights' part of them), the lending counts at K3's shape, and what bf16 weights at lent=8 predict from the
+    measured compute, each recomputed from the raw rows with the script's own step model."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("predict_scaling", ROOT / "kernels" / "predict_scaling.py")
+    ps = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("predict_scaling", ps)  # its dataclasses look their module up
+    spec.loader.exec_module(sys.modules["predict_scaling"])
+    ps = sys.modules["predict_scaling"]
+    base, rank = json.loads(K3SLICE.read_text())["before"]["rows"]
+    assert base["world"] == 1 and rank["world"] == 8 and rank["ep"] == 8
+    docs = " ".join((ROOT / "docs" / "scaling.md").read_text().split())
+    a2a = next(c for c in rank["comm"] if c["kind"] == "all_to_all")
+    one = 3 * 3072 * 3584                                                  # one expert's w1, w3, w2 values
+    weights = 2 * 112 * one * 4                                            # the bound, fp32, forward and backward
+    rows = a2a["bytes"] - weights
+    assert rows == 4 * 8192 * 16 * 3584 * 2                                # the rows: S·K × L bf16, four times
+    assert f"{a2a['bytes'] / 1e9:.2f} GB" == "33.35 GB" and f"{100 * weights / a2a['bytes']:.0f}%" == "89%"
+    assert f"{100 * rank['scaling_efficiency']:.1f}%" == "72.5%" and "**72.5%**" in docs
+    comm = [dict(c, bytes=rows + 2 * 8 * one * 2) if c["kind"] == "all_to_all" else c for c in rank["comm"]]
+    link = ps.LINKS[rank["link"]]
+    after = ps.predict_step(rank["compute_ms"] / 1e3, comm, link, rank["fsdp_edges"])
+    assert f"{sum(c['bytes'] for c in comm if c['kind'] == 'all_to_all') / 1e9:.2f}" == "4.82"
+    assert f"{1e3 * after['blocking']:.1f}" == "12.0" and f"{1e3 * after['realistic']:.1f}" == "578.8"
+    assert f"{100 * base['compute_ms'] / (1e3 * after['realistic']):.1f}%" == "80.9%"
+    no_edges = rank["compute_ms"] + 1e3 * after["blocking"]
+    assert f"{100 * base['compute_ms'] / no_edges:.1f}%" == "85.9%"
+    for figure in ("80.9%", "85.9%", "from 33.35 to 4.82 GB", "from 79.4 to 12.0 ms", "578.8 ms"):
+        assert figure in docs, figure
+    runs = json.loads(LENDING.read_text())["runs"]
+    assert (max(max(r["borrowed"]) for r in runs), max(max(r["lent"]) for r in runs)) == (4, 8)
+    assert all(r["bound"] == 112 for r in runs) and "At most 4 borrowed and 8 lent, against the bound of 112" in docs
