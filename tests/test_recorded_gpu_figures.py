@@ -146,3 +146,8 @@ def test_the_recorded_k3_slice_figures_are_the_raw_rows():
     runs = json.loads(LENDING.read_text())["runs"]
     assert (max(max(r["borrowed"]) for r in runs), max(max(r["lent"]) for r in runs)) == (4, 8)
     assert all(r["bound"] == 112 for r in runs) and "At most 4 borrowed and 8 lent, against the bound of 112" in docs
+    notebook = " ".join("".join(json.loads((ROOT / "notebooks" / "12_scaling_up.ipynb").read_text())["cells"][12]
+                                ["source"]).split())
+    for figure in ("**72.5%**", "89% of its all-to-all bytes", "borrowed at most 4 experts and a home lent at most 8",
+                   "**80.9%**"):
+        assert figure in notebook, figure
