@@ -747,12 +747,14 @@ CONFIG_LISTS = {
     "cpu-smoke": ["tiny-w2-2x64", "tiny-w4-2x64", "tiny-w2-ep2-2x64", "tiny-w2-cp2-1x128"],
     # one H200, ~2 min: `small` at 16×1024 per rank under FSDP and FSDP+EP (MoonEP) at N = 2/4/8, CP 2/4 on a 32K
     # sequence (sublayer recompute: CP 2 runs out of memory with less), and the K3 slice (2 layers of K3 widths,
-    # 896/8 = 112 experts a rank; SGD so that the one-rank baseline fits; plain EP: MoonEP's replica path fails
-    # at this width, docs/scaling.md, section "Caveats")
+    # 896/8 = 112 experts a rank; SGD so that the one-rank baseline fits; plain EP, eager, as first measured, and
+    # the graphed fixed-shape MoonEP rank lending 8 experts a layer, the most any simulated routing lent at K3's
+    # shape: docs/scaling.md, section 4j; it needs an H200's memory)
     "gpu": ["small-w2-16x1024", "small-w4-16x1024", "small-w8-16x1024",
             "small-w2-ep2-16x1024", "small-w4-ep4-16x1024", "small-w8-ep8-16x1024",
             "small-w2-cp2-1x32768@recompute=sublayer", "small-w4-cp4-1x32768@recompute=sublayer",
-            "k3slice-w8-ep8-2x4096@optimizer=sgd,ep_kind=ep"],
+            "k3slice-w8-ep8-2x4096@optimizer=sgd,ep_kind=ep",
+            "k3slice-w8-ep8-2x4096@optimizer=sgd,ep_kind=static,graph=true,lent=8"],
     "gpu-quick": ["small-w8-16x1024", "small-w8-ep8-16x1024", "k3slice-w8-ep8-2x4096@optimizer=sgd,ep_kind=ep"],
 }
 
