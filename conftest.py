@@ -149,3 +149,18 @@ def pytest_terminal_summary(terminalreporter):
         flag = f"   OVER the {NOTEBOOK_BUDGET_S:.0f} s budget" if seconds > NOTEBOOK_BUDGET_S else ""
         terminalreporter.write_line(f"{seconds:8.1f} s  {path}{flag}")
     terminalreporter.write_line(f"{sum(totals.values()):8.1f} s  all {len(totals)} notebooks")
+
+
+def pytest_collection_modifyitems(config, items):
+    """The ``gpu`` tests skip where there is no CUDA GPU, as the marker says, rather than fail: some start a script
+    with ``--device cuda`` and would end in its error (a run given ``-m gpu``, or no ``-m``, on a CPU)."""
+    gpu = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if not gpu:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="a gpu test: no CUDA GPU here")
+    for item in gpu:
+        item.add_marker(skip)
