@@ -318,13 +318,15 @@ def test_default_exchange_is_the_reference_outside_its_block():
 
 
 def _replica_dtypes_worker(rank: int, world: int) -> dict:
-    """One skewed MoE forward and backward under CPU autocast (bf16), twice: the replica weights crossing as the
-    matmuls read them (bf16), and as fp32 (``matmul_dtype`` pinned to the parameters' dtype, the earlier form). The
-    dtypes the weight exchange saw, the replicas lent, the output and every gradient of each."""
+    """One skewed MoE forward and backward under CPU autocast (bf16), twice for each dispatcher (the fixed-shape one
+    and the host-planned one): the replica weights crossing as the matmuls read them (bf16), and as fp32
+    (``matmul_dtype`` pinned to the parameters' dtype, the earlier form). The dtypes the weight exchange saw, the
+    replicas lent, the output and every gradient of each."""
     import copy
 
     from k3lab.config import ModelConfig
     from k3lab.moe.latent import LatentMoE
+    import k3lab.parallel.expert as expert_module
     from k3lab.parallel.expert import apply_expert_parallel
     from k3lab.parallel.expert_static import apply_static_moonep
 
@@ -338,7 +340,7 @@ def _replica_dtypes_worker(rank: int, world: int) -> dict:
     z = torch.randn(S, base.experts.w1.shape[2], generator=g)                           # [S, L]
     w = torch.rand(S, K, generator=g)
     out = {}
-    for travel in ("matmul dtype", "fp32"):
+    for travel in ("matmul dtype", "fp32", "host plan, matmul dtype", "host plan, fp32"):
         seen = []
 
         def exchange(x, send, recv, rows_out, group, **orders):
@@ -348,14 +350,24 @@ def _replica_dtypes_worker(rank: int, world: int) -> dict:
 
         exchange.host_splits = exchange_reference.host_splits
         exchange.places_rows = exchange_reference.places_rows
-        moe = apply_static_moonep(copy.deepcopy(base), None, exchange)
-        if travel == "fp32":
+        if travel.startswith("host plan"):  # the host-planned dispatcher's autograd all-to-all, recorded alike
+            moe = copy.deepcopy(base)
+            real = expert_module.all_to_all
+            expert_module.all_to_all = lambda x, *a: (seen.append(x.dtype) if x.shape[-1] == width else None,
+                                                      real(x, *a))[1]
+        else:
+            moe = apply_static_moonep(copy.deepcopy(base), None, exchange)
+        if travel.endswith("fp32"):
             moe.experts.matmul_dtype = lambda x: torch.float32
         zz, ww = z.clone().requires_grad_(), w.clone().requires_grad_()
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            y = moe.dispatcher.run(zz, idx, ww, moe.experts)                             # [S, L]
-        y.float().sum().backward()
-        alloc = moe.dispatcher.last_alloc                                                # [E, R] slots
+        try:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                y = moe.dispatcher.run(zz, idx, ww, moe.experts)                         # [S, L]
+            y.float().sum().backward()
+        finally:
+            if travel.startswith("host plan"):
+                expert_module.all_to_all = real
+        alloc = moe.dispatcher.last_plan.alloc if travel.startswith("host plan") else moe.dispatcher.last_alloc
         home = torch.arange(E)[:, None] // 4 == torch.arange(world)[None]               # [E, R]
         out[travel] = dict(dtypes=seen, lent=int((alloc.gt(0) & ~home).sum()), y=y.detach(),
                            grads=[t.grad for t in (zz, ww, moe.experts.w1, moe.experts.w3, moe.experts.w2)])
@@ -367,13 +379,14 @@ def test_replica_weights_cross_in_the_dtype_the_experts_multiply_in():
     bytes of the fp32 parameters: on one H200 the K3 slice's weight exchanges were 29.6 of its 33.4 GB of
     all-to-all, in fp32) and their gradients come back in bf16, as the matmuls produce them. At 2 gloo ranks, every
     token on home rank 0's experts (so rank 0 lends), the output and every gradient equal, bit for bit, the same
-    step with the weights crossing in fp32."""
+    step with the weights crossing in fp32: for the fixed-shape dispatcher and for the host-planned one."""
     from k3lab.parallel.spawn import run_ranks
 
     for rank, res in enumerate(run_ranks(_replica_dtypes_worker, 2)):
-        mine, fp32 = res["matmul dtype"], res["fp32"]
-        assert mine["lent"] > 0, "the routing lends no expert: the test would not move a weight"
-        assert set(mine["dtypes"]) == {torch.bfloat16} and set(fp32["dtypes"]) == {torch.float32}, (mine, fp32)
-        assert torch.equal(mine["y"], fp32["y"]), (rank, (mine["y"] - fp32["y"]).abs().max())
-        for name, a, b in zip(("z", "topk_weight", "w1", "w3", "w2"), mine["grads"], fp32["grads"]):
-            assert a.dtype == b.dtype == torch.float32 and torch.equal(a, b), (rank, name, (a - b).abs().max())
+        for plan in ("", "host plan, "):  # the fixed-shape dispatcher, and the host-planned one (expert.py)
+            mine, fp32 = res[plan + "matmul dtype"], res[plan + "fp32"]
+            assert mine["lent"] > 0, "the routing lends no expert: the test would not move a weight"
+            assert set(mine["dtypes"]) == {torch.bfloat16} and set(fp32["dtypes"]) == {torch.float32}, (plan, mine)
+            assert torch.equal(mine["y"], fp32["y"]), (plan, rank, (mine["y"] - fp32["y"]).abs().max())
+            for name, a, b in zip(("z", "topk_weight", "w1", "w3", "w2"), mine["grads"], fp32["grads"]):
+                assert a.dtype == b.dtype == torch.float32 and torch.equal(a, b), (plan, rank, name)

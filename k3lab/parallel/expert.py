@@ -358,7 +358,7 @@ class ExpertParallelDispatcher:
         # which every rank computed from the same gathered tpe: a rank that neither lends nor borrows this step
         # still takes part (with empty splits), or the others' all-to-all would meet a different collective.
         if w_rows.any():  # the replicas, on weights fetched from their homes (MoonEP only)
-            rep_weights = self._replicas(experts, rep, w_send, w_recv)
+            rep_weights = self._replicas(experts, rep, w_send, w_recv, experts.matmul_dtype(z))
             if len(rep_ids):
                 y = torch.cat([y, experts(x_sorted[n_home:], bank_counts_d[El:], rep_weights)])
             else:  # lends only, or neither: autograd must still reach its all-to-all (the backward is a collective)
@@ -371,17 +371,19 @@ class ExpertParallelDispatcher:
         dplan = DispatchPlan(send_slots, counts, S, K, data=dict(plan=plan, send=send, recv=recv))
         return self._local.combine(y_back, dplan, topk_weight)                            # [S, L] fp32
 
-    def _replicas(self, experts: RoutedExperts, rep: np.ndarray, w_send: list[int], w_recv: list[int]):
+    def _replicas(self, experts: RoutedExperts, rep: np.ndarray, w_send: list[int], w_recv: list[int],
+                  dtype: torch.dtype):
         """(w1, w3, w2) of the experts this rank computes away from their home (ascending global ids), fetched
         by an autograd all-to-all whose backward returns the replicas' gradients home. Called on every rank
         when any rank of the group has a replica. Only the lent experts' rows are gathered, one weight at a
         time (at K3 widths the home experts of one rank are 112 × 3 × 11.0M values: flattening them into one
-        tensor made 3.7G elements)."""
+        tensor made 3.7G elements). They cross in ``dtype``, the one the expert matmuls read them in
+        (:meth:`~k3lab.moe.latent.RoutedExperts.matmul_dtype`: bf16 under autocast, the same values)."""
         r, El = self.rank, self.num_local
         own = (experts.w1, experts.w3, experts.w2)                                        # [El, I, L] ×2, [El, L, I]
         pick = np.flatnonzero(rep[r * El:(r + 1) * El].T.reshape(-1)) % El              # [Σ w_send] d-major
         pick = torch.from_numpy(pick).to(own[0].device, non_blocking=True)
-        rows = torch.cat([w.index_select(0, pick).flatten(1) for w in own], 1)           # [Σ w_send, 3·I·L]
+        rows = torch.cat([w.index_select(0, pick).flatten(1) for w in own], 1).to(dtype)  # [Σ w_send, 3·I·L]
         got = all_to_all(rows, w_recv, w_send, self.group)                               # [n_rep, 3·I·L]
         n_rep = sum(w_recv)
         parts = got.split([w[0].numel() for w in own], 1)
