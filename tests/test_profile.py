@@ -36,7 +36,8 @@ def test_only_fields_left_at_their_defaults_are_filled_and_impossible_settings_a
 
 def test_fast_plans_moonep_on_the_device_only_where_that_was_measured_faster():
     """Fast, CUDA, EP above 1 with MoonEP, no CP, compiled, the plan left at its default: planned on the device, the
-    shared expert on a side stream. Every other case keeps what it was given (the reference profile, a CPU, one rank, no EP, plain EP, EP with CP, eager)."""
+    shared expert on a side stream. Every other case keeps what it was given (the reference profile, a CPU, one rank,
+    no EP, plain EP, EP with CP, eager)."""
     fast = resolve_profile(TrainConfig(profile="fast"), "cuda", 8, 8)[0]
     assert resolve_ep_plan(fast, ParallelOptions(ep=8), "cuda", 8) == (
         ParallelOptions(ep=8, ep_plan="device", shared_overlap=True), ["ep_plan='device'", "shared_overlap=True"])
