@@ -516,7 +516,7 @@ def _fixed_size_all_to_all(x, rows, group, take=None, place=None, most=None):
     if take is not None:
         x = x.index_select(0, take[0])
     n = dist.get_world_size(group)
-    k = min(rows, x.shape[0], rows if most is None else most)
+    k = min(rows, x.shape[0]) if most is None else min(rows, x.shape[0], most)
     flat = x[:k].reshape(-1)
     pad = (-flat.numel()) % n  # equal splits: a multiple of the group size
     flat = torch.cat([flat, flat.new_zeros(pad)]) if pad else flat.contiguous()
@@ -539,6 +539,7 @@ def fixed_size_exchange(x, send, recv, rows_out, group, take=None, place=None):
 
 fixed_size_exchange.capturable = True  # no host read: a CUDA graph records it (k3lab.parallel.expert_static.capturable)
 fixed_size_exchange.places_rows = True  # takes and places rows itself (k3lab.parallel.expert_static.Exchange)
+
 
 def fixed_size_weights(lent: int):
     """:func:`fixed_size_exchange` for MoonEP's replica weights (the dispatcher's ``weight_exchange``) that moves
