@@ -210,6 +210,16 @@ class LossShard:
     mtp_labels: Tensor | None = None
 
 
+class LMHead(Linear):
+    """The output projection ``logits = h Wᵀ`` ([B, T, D] → [B, T, V]); :meth:`cross_entropy` is the same projection
+    fused with the loss (:func:`k3lab.losses.linear_cross_entropy`), a method of this module so that a wrapper that
+    hooks the module's calls (FSDP2's ``register_fsdp_forward_method``) sees the weight's use."""
+
+    def cross_entropy(self, hidden: Tensor, labels: Tensor, tokens: int | Tensor | None) -> Tensor:
+        """Σ CE(hidden Wᵀ, labels) / tokens over the unmasked labels, no [B, T, V] logits kept for backward."""
+        return linear_cross_entropy(hidden, self.weight, labels, tokens)
+
+
 class K3ForCausalLM(nn.Module):
     """K3Model + lm_head (+ the MTP head when cfg.num_nextn_predict_layers == 1).
 
@@ -222,7 +232,7 @@ class K3ForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = K3Model(cfg)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False, backend=cfg.backend)
+        self.lm_head = LMHead(cfg.hidden_size, cfg.vocab_size, bias=False, backend=cfg.backend)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.mtp = MTPHead(cfg) if cfg.num_nextn_predict_layers == 1 else None
@@ -252,7 +262,7 @@ class K3ForCausalLM(nn.Module):
         if labels.shape != input_ids.shape:
             raise ValueError(f"labels shape {tuple(labels.shape)} must equal input_ids shape {tuple(input_ids.shape)}")
         lm_tokens = None if shard is None else shard.lm_tokens
-        lm_loss = (linear_cross_entropy(out.last_hidden_state, self.lm_head.weight, labels, lm_tokens) if fused
+        lm_loss = (self.lm_head.cross_entropy(out.last_hidden_state, labels, lm_tokens) if fused
                    else masked_cross_entropy(logits, labels, lm_tokens))
         metrics = {"lm_loss": lm_loss.detach()}  # 0-d tensors: no host sync in the forward
         ran = [self.model]
@@ -264,7 +274,7 @@ class K3ForCausalLM(nn.Module):
                 ids, lab, res = shard.mtp_input_ids, shard.mtp_labels, out.residual
             hidden = self.mtp(self.model.embed_tokens(ids), res)
             mtp_tokens = None if shard is None else shard.mtp_tokens
-            mtp_loss = (linear_cross_entropy(hidden, self.lm_head.weight, lab, mtp_tokens) if fused
+            mtp_loss = (self.lm_head.cross_entropy(hidden, lab, mtp_tokens) if fused
                         else masked_cross_entropy(self.lm_head(hidden), lab, mtp_tokens))
             metrics["mtp_loss"] = mtp_loss.detach()
             ran.append(self.mtp)

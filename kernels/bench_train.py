@@ -480,6 +480,7 @@ def fit_as_fake_rank(spec: Spec, cfg, train_cfg, device, on_step=None) -> tuple[
     rank's own step: what the graphed, sharded ``fit`` costs a GPU before communication. Returns ``fit``'s history and
     the second step's counted collectives (``CommCounter.summary()``: ``comm`` and ``fsdp_edges``)."""
     from k3lab.model import K3ForCausalLM
+    from k3lab.parallel.fsdp import exposed_calls
     from k3lab.parallel.parallelize import ParallelOptions
     from k3lab.parallel.run import batches_for
     from k3lab.train import fit
@@ -503,7 +504,7 @@ def fit_as_fake_rank(spec: Spec, cfg, train_cfg, device, on_step=None) -> tuple[
             on_step(step, row)
         counter.counting = step == 1
         if step == 2:
-            counted.update(counter.summary())
+            counted.update(counter.summary(edge_calls=exposed_calls(cfg)))
 
     with ps.fake_rank(ranks, 0, device) as counter, exchange:
         history = fit(lambda: K3ForCausalLM(cfg), batches_for("random", cfg, ranks * spec.B, spec.T, 0), train_cfg,

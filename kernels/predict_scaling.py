@@ -407,13 +407,15 @@ class CommCounter:
         if source == "fsdp":
             self.fsdp_calls.append((kind, n, size))
 
-    def summary(self, steps: int = 1) -> dict:
+    def summary(self, steps: int = 1, edge_calls: int = 1) -> dict:
+        """Bytes and calls per (source, kind, n) a step, and the FSDP edges: the first ``edge_calls`` all-gathers and
+        the last ``edge_calls`` reduce-scatters (the root's, and the embedding's where it is a unit of its own:
+        nothing runs before the one's forward or after the other's backward to hide them)."""
         comm = [dict(source=s, kind=k, n=n, bytes=b / steps, calls=c / steps)
                 for (s, k, n), (b, c) in sorted(self.records.items())]
-        ag = [c for c in self.fsdp_calls if c[0] == "all_gather"]
-        rs = [c for c in self.fsdp_calls if c[0] == "reduce_scatter"]
-        edges = ([dict(kind="all_gather", n=ag[0][1], bytes=ag[0][2])] if ag else []) + \
-                ([dict(kind="reduce_scatter", n=rs[-1][1], bytes=rs[-1][2])] if rs else [])
+        ag = [c for c in self.fsdp_calls if c[0] == "all_gather"][:edge_calls]
+        rs = [c for c in self.fsdp_calls if c[0] == "reduce_scatter"][-edge_calls:]
+        edges = [dict(kind=k, n=n, bytes=b) for k, n, b in ag + rs]
         return dict(comm=comm, fsdp_edges=edges)
 
 
@@ -990,7 +992,7 @@ def run_config(spec: Spec, args, *, process_group: str = "fake") -> dict:
     default group, world size spec.world), or "none" (spec.world must be 1)."""
     from k3lab.model import K3ForCausalLM
     from k3lab.parallel.dims import ParallelDims, init_groups
-    from k3lab.parallel.fsdp import clip_grad_norm_, sum_expert_grads_
+    from k3lab.parallel.fsdp import clip_grad_norm_, exposed_calls, sum_expert_grads_
     from k3lab.parallel.parallelize import expert_parameters, parallelize, reduce_max_logits_
 
     from k3lab.parallel.parallelize import global_label_counts, local_batch
@@ -1157,7 +1159,7 @@ def run_config(spec: Spec, args, *, process_group: str = "fake") -> dict:
             with eager, mode if mode is not None else contextlib.nullcontext():
                 losses.append(step()[0])
             counter.counting = False
-            counted = counter.summary()
+            counted = counter.summary(edge_calls=exposed_calls(cfg))
             if mode is not None:
                 python_side = defaultdict(float)
                 for r in counted["comm"]:

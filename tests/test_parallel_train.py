@@ -98,8 +98,23 @@ def _materialize_check(rank, world):
     return True
 
 
+def _edge_units(rank, world):
+    """The names of the embedding and head modules that are FSDP units of their own: for the plain tiny model, with
+    MTP (its embedding and head run twice a forward) and with tied weights."""
+    from torch.distributed.fsdp import FSDPModule
+
+    groups = init_groups(ParallelDims(world))
+    found = {}
+    for name, kw in (("plain", {}), ("mtp", dict(num_nextn_predict_layers=1)), ("tied", dict(tie_word_embeddings=True))):
+        model, _ = parallelize(K3ForCausalLM(ModelConfig.preset("tiny").replace(**kw)), groups, torch.device("cpu"))
+        found[name] = sorted(n for n, m in model.named_modules() if isinstance(m, FSDPModule)
+                             and n in ("model.embed_tokens", "lm_head"))
+    return found
+
+
 def _fsdp_worker(rank, world, balancers):
-    out = {"collectives": _collectives_smoke(rank, world), "materialize": _materialize_check(rank, world)}
+    out = {"collectives": _collectives_smoke(rank, world), "materialize": _materialize_check(rank, world),
+           "edge_units": _edge_units(rank, world)}
     for balancer in balancers:
         cfg = ModelConfig.preset("tiny").replace(balancer=balancer)
         # gradients of one step: the sharded model against the whole model in this process
@@ -131,7 +146,15 @@ BALANCERS_TESTED = ("quantile_hist", "loss_free", "aux_loss")
 def fsdp_runs():
     ranks = run_ranks(_fsdp_worker, 2, BALANCERS_TESTED)
     assert all(r["collectives"] and r["materialize"] for r in ranks)
-    return {b: [r[b] for r in ranks] for b in BALANCERS_TESTED}
+    return {b: [r[b] for r in ranks] for b in BALANCERS_TESTED}, [r["edge_units"] for r in ranks]
+
+
+def test_embedding_and_head_are_fsdp_units_where_each_runs_once(fsdp_runs):
+    """Their own units (the root's unhideable all-gather holds the norms only), except with MTP (each runs twice a
+    forward: two reduce-scatters) or tied weights; the losses and gradients above are taken with the plain layout
+    (the fused loss's head through ``LMHead.cross_entropy``: tests/test_one_loop.py)."""
+    for units in fsdp_runs[1]:
+        assert units == {"plain": ["lm_head", "model.embed_tokens"], "mtp": [], "tied": []}, units
 
 
 def _one_process(balancer, optimizer):
@@ -143,14 +166,14 @@ def _one_process(balancer, optimizer):
 
 
 def test_fsdp_gradients_equal_one_process(fsdp_runs):
-    for balancer, ranks in fsdp_runs.items():
+    for balancer, ranks in fsdp_runs[0].items():
         for r in ranks:
             assert r["grad_err"] < 1e-5, (balancer, r["grad_err"])
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
 def test_fsdp_losses_equal_one_process(fsdp_runs, optimizer):
-    for balancer, ranks in fsdp_runs.items():
+    for balancer, ranks in fsdp_runs[0].items():
         if optimizer not in ranks[0]:
             continue
         ref, _ = _one_process(balancer, optimizer)
@@ -163,7 +186,7 @@ def test_balancer_loads_equal_one_process(fsdp_runs):
     """The all-reduced expert loads of the last step are the whole batch's: equal on every rank and
     to one process, for Quantile Balancing and the loss-free balancer (whose biases steer them) and
     the auxiliary loss (whose f is all-reduced in the forward)."""
-    for balancer, ranks in fsdp_runs.items():
+    for balancer, ranks in fsdp_runs[0].items():
         _, model = _one_process(balancer, "muon")
         ref = [m.balancer.metrics()["load"].tolist() for m in model.modules() if hasattr(m, "balancer")]
         assert ranks[0]["loads"] == ranks[1]["loads"] == ref, balancer

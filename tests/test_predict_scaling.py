@@ -148,6 +148,17 @@ def test_fake_pg_counts_fsdp_bytes(fake_run):
         base["compute_ms"] / row["compute_ms"])
     p = row["predicted"]["nvlink8"]
     assert p["overlap"] <= p["realistic"] <= p["no_overlap"]
+    # the edges nothing hides: the root's all-gather (its norms and AttnRes queries), the embedding's (a unit of its
+    # own, k3lab.parallel.fsdp.edges_apart), and their reduce-scatters at the end; the head's are not among them
+    from k3lab.config import ModelConfig
+
+    cfg = ModelConfig.preset("tiny")
+    table = 4 * cfg.vocab_size * cfg.hidden_size                   # the embedding's (= the head's) fp32 bytes
+    edges = [(e["kind"], e["bytes"]) for e in row["fsdp_edges"]]
+    assert [k for k, _ in edges] == ["all_gather", "all_gather", "reduce_scatter", "reduce_scatter"], edges
+    rest = root - 2 * table                                          # the root's own (each parameter padded)
+    assert [b for _, b in edges] == pytest.approx([rest, table, rest, table], rel=0.4)
+    assert edges[1][1] == edges[3][1] == pytest.approx(table, rel=1e-3)  # (the final callback: root, then embedding)
     assert "| tiny-w2-2x32 | 2 | 64 |" in stdout  # the table, printed last
     kept = rows["tiny-w2-2x32@reshard=false"]  # ParallelOptions.reshard_after_forward=False: no backward re-gather
     got = _by_source_kind(kept)

@@ -1,10 +1,18 @@
-"""FSDP2 for the K3 model: ``fully_shard`` per sublayer (``self_attn``, the MLP/MoE) and the root.
+"""FSDP2 for the K3 model: ``fully_shard`` per sublayer (``self_attn``, the MLP/MoE), the embedding, the head
+and the root.
 
 Why per sublayer and not per ``K3DecoderLayer``: a decoder layer returns its output through the
 residual-stream object (:mod:`k3lab.residual`), not as a tensor, so FSDP2's backward hooks on the
 layer's outputs never fire and the layer's parameters are never re-gathered for backward. Each
-``self_attn`` and MLP module returns plain tensors, so wrapping those works (the norms, AttnRes
-queries, embedding and head belong to the root).
+``self_attn`` and MLP module returns plain tensors, so wrapping those works (the norms and AttnRes
+queries belong to the root).
+
+The embedding and the head are units of their own (torchtitan's layout), where each runs once a forward and they
+share no weight (:func:`edge_units`): the root's all-gather, which nothing before it can hide, then holds the norms
+only, and the head's all-gather and reduce-scatter hide under the layers' compute like a sublayer's. At K3's
+163,840-token vocabulary each is 1.17 B parameters. With MTP (the embedding and head run twice) or tied weights they
+stay in the root: a unit called twice reduce-scatters twice. The fused loss reads the head's weight through
+:meth:`k3lab.model.LMHead.cross_entropy`, registered as a forward of the unit so the weight is gathered for it.
 
 Left out of sharding (``ignored_params``):
 
@@ -41,9 +49,27 @@ def sublayers(model: nn.Module) -> list[nn.Module]:
     return [m for layer in layers for m in (layer.self_attn, getattr(layer, layer.mlp_name))]
 
 
+def edges_apart(cfg) -> bool:
+    """Whether the embedding and the head are FSDP units of their own (see the module docstring): each runs once a
+    forward (no MTP head) and they share no weight."""
+    return cfg.num_nextn_predict_layers == 0 and not cfg.tie_word_embeddings
+
+
+def edge_units(model: nn.Module) -> list[nn.Module]:
+    """The embedding and the head where :func:`edges_apart`, else []."""
+    return [model.model.embed_tokens, model.lm_head] if edges_apart(model.config) else []
+
+
+def exposed_calls(cfg) -> int:
+    """How many FSDP all-gathers open a step, and reduce-scatters close it, with no compute to hide under: the
+    root's, and the embedding's where :func:`edges_apart` (nothing runs before its forward or after its backward)."""
+    return 1 + edges_apart(cfg)
+
+
 def apply_fsdp(model: nn.Module, mesh, expert_params: set[nn.Parameter], param_dtype: torch.dtype | None = None,
                reshard_after_forward: bool = True, reduce_dtype: torch.dtype | None = None) -> nn.Module:
-    """``fully_shard`` each sublayer, then the root, on the flat 1-D mesh over dp_shard·cp.
+    """``fully_shard`` each sublayer, the embedding and head (:func:`edge_units`; kept gathered from forward to
+    backward, as the root), then the root, on the flat 1-D mesh over dp_shard·cp.
 
     ``param_dtype``: FSDP2 mixed precision (e.g. bf16 compute from the parameters' own fp32 shards); None: the
     parameters' own dtype. ``reduce_dtype``: the dtype gradients are reduce-scattered in (then cast to the
@@ -52,7 +78,7 @@ def apply_fsdp(model: nn.Module, mesh, expert_params: set[nn.Parameter], param_d
     ``param_dtype=None, reduce_dtype=torch.float32``: the ranks' bf16 partial gradients summed in float32, the sum
     rounded to bf16 once.
     """
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
     if mesh.ndim != 1:
         raise ValueError(f"apply_fsdp: mesh must be 1-D (a 2-D mesh means HSDP), got {mesh.ndim} axes")
@@ -64,6 +90,10 @@ def apply_fsdp(model: nn.Module, mesh, expert_params: set[nn.Parameter], param_d
     for module in sublayers(model):
         own = {p for p in module.parameters() if p in ignored}
         fully_shard(module, reshard_after_forward=reshard_after_forward, ignored_params=own or None, **kw)
+    for module in edge_units(model):
+        fully_shard(module, reshard_after_forward=False, **kw)
+    if edge_units(model):
+        register_fsdp_forward_method(model.lm_head, "cross_entropy")
     fully_shard(model, reshard_after_forward=False, ignored_params=ignored or None, **kw)
     for module in model.modules():
         if isinstance(module, FSDPModule):
