@@ -408,7 +408,8 @@ def _setup(model, cfg: TrainConfig, parallel, first_batch_shape) -> _Run:
                                reduce_dtype=torch.float32 if on_shards else None,
                                reshard_after_forward=getattr(parallel, "reshard_after_forward", True),
                                shared_overlap=getattr(parallel, "shared_overlap", False),
-                               ep_chunks=getattr(parallel, "ep_chunks", 1))
+                               ep_chunks=getattr(parallel, "ep_chunks", 1),
+                               embedding=getattr(parallel, "embedding", "fsdp"))
     if meta:
         from k3lab.parallel.materialize import materialize_from_rank0
 

@@ -37,8 +37,9 @@ The counted bytes and the measured compute then go through an alpha-beta model o
 all-gather, reduce-scatter and all-to-all, 2(N-1)/N for all-reduce. Three predicted step times:
 no overlap (compute + Σ comm), full overlap (max(compute, Σ comm)), and FSDP's realistic case (EP and CP
 collectives and the small all-reduces block the compute stream; FSDP2 prefetches its all-gathers and runs
-its reduce-scatters on a side stream, so only the root's first all-gather and last reduce-scatter are
-exposed, the rest hides under compute up to the compute time).
+its reduce-scatters on a side stream, so only the all-gathers that open the step and the reduce-scatters that
+close it are exposed, the root's and the embedding's where it is a unit of its own
+(:func:`k3lab.parallel.fsdp.exposed_calls`); the rest hides under compute up to the compute time).
 
 Every config also measures its **one-GPU baseline** in the same run: world size 1 (no process group, no
 FSDP, the trainer's one-process path) at the same per-rank batch ``[B, T/cp]`` (for ``k3slice`` with
@@ -57,6 +58,8 @@ timed by :func:`fixed_size_exchange`; ``kernels/bench_train.py``'s ``exchange=em
 :func:`emulated_exchange` instead, which holds the stream for each all-to-all's modelled time so that overlap shows
 in the measured step),
 ``reshard=true|false`` (FSDP2 ``reshard_after_forward``, :class:`~k3lab.parallel.parallelize.ParallelOptions`),
+``embedding=fsdp|vocab`` (``ParallelOptions.embedding``: the table an FSDP2 unit, or sharded by rows with the
+tokens sent to them, :mod:`k3lab.parallel.vocab`; its exchanges block the compute stream),
 ``init=device|meta`` (meta: build on the meta device, lay out, ``to_empty``, fill for timing; k3slice's
 default), ``baseline=world1|local-experts``, ``vocab=V``, ``graph=true|false`` (forward, backward and gradient
 norm replayed as one CUDA graph, :class:`k3lab.cuda_graph.GraphedForwardBackward`, captured after the counting
@@ -683,7 +686,8 @@ def fake_rank(world: int, rank: int, device: torch.device):
 PRESETS = ("tiny", "small", "k3slice")
 OPTIONS = {"optimizer": ("adamw", "sgd"), "recompute": None, "layers": int, "rank": int,
            "ep_kind": ("moonep", "ep", "static"), "baseline": ("world1", "local-experts"), "init": ("device", "meta"),
-           "vocab": int, "reshard": ("true", "false"), "graph": ("true", "false"), "lent": int}
+           "vocab": int, "reshard": ("true", "false"), "graph": ("true", "false"), "lent": int,
+           "embedding": ("fsdp", "vocab")}
 
 
 @dataclass(frozen=True)
@@ -840,6 +844,7 @@ def fsdp_expected_bytes(model: nn.Module, reshard_after_forward: bool = True) ->
     parameters that got a gradient: the count is below this by those that did not (layer 0's AttnRes
     query and norm, whose softmax has one source: 0.02% at ``tiny``)."""
     from k3lab.parallel.fsdp import sublayers
+    from k3lab.parallel.vocab import ShardedEmbedding
 
     def padded(p) -> int:
         n = p.device_mesh.size()
@@ -863,8 +868,9 @@ def fsdp_expected_bytes(model: nn.Module, reshard_after_forward: bool = True) ->
             if hasattr(p, "device_mesh"):
                 ag += (2 if reshard_after_forward else 1) * padded(p) * mp_dtype(m, p, "param_dtype").itemsize
                 rs += padded(p) * mp_dtype(m, p, "reduce_dtype").itemsize
+    apart = {id(p) for m in model.modules() if isinstance(m, ShardedEmbedding) for p in m.parameters()}  # not FSDP's
     for p in model.parameters():
-        if hasattr(p, "device_mesh") and id(p) not in in_sub:
+        if hasattr(p, "device_mesh") and id(p) not in in_sub and id(p) not in apart:
             ag += padded(p) * mp_dtype(model, p, "param_dtype").itemsize
             rs += padded(p) * mp_dtype(model, p, "reduce_dtype").itemsize
     return {"all_gather": ag, "reduce_scatter": rs}
@@ -1047,7 +1053,7 @@ def run_config(spec: Spec, args, *, process_group: str = "fake") -> dict:
         model, experts = parallelize(model, groups, device, ep_kind="moonep" if ep_kind == "static" else ep_kind,
                                      cp_layout="contiguous", recompute=spec.option("recompute", args.recompute),
                                      compile=args.compile, param_dtype=param_dtype if distributed else None,
-                                     reshard_after_forward=reshard)
+                                     reshard_after_forward=reshard, embedding=spec.option("embedding", "fsdp"))
         if ep_kind == "static" and spec.ep > 1:
             from k3lab.parallel.expert_static import apply_static_moonep
 
@@ -1159,7 +1165,7 @@ def run_config(spec: Spec, args, *, process_group: str = "fake") -> dict:
             with eager, mode if mode is not None else contextlib.nullcontext():
                 losses.append(step()[0])
             counter.counting = False
-            counted = counter.summary(edge_calls=exposed_calls(cfg))
+            counted = counter.summary(edge_calls=exposed_calls(cfg, spec.option("embedding", "fsdp")))
             if mode is not None:
                 python_side = defaultdict(float)
                 for r in counted["comm"]:

@@ -93,7 +93,8 @@ def fake_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("predict") / "rows.json"
     cmd = [sys.executable, str(SCRIPT), "--device", "cpu", "--dtype", "float32", "--steps", "1", "--warmup", "1",
            "--configs", "tiny-w2-2x32", "tiny-w2-ep2-2x32@init=meta", "tiny-w2-2x32@reshard=false",
-           "tiny-w4-ep4-2x32@ep_kind=static", "tiny-w4-ep4-2x32@ep_kind=static,lent=1", "--json", str(out),
+           "tiny-w4-ep4-2x32@ep_kind=static", "tiny-w4-ep4-2x32@ep_kind=static,lent=1", "tiny-w2-2x32@embedding=vocab",
+           "--json", str(out),
            "--raise-errors"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -165,6 +166,25 @@ def test_fake_pg_counts_fsdp_bytes(fake_run):
     assert got[("fsdp", "all_gather")] == pytest.approx(sub + root, rel=0.03)
     assert got[("fsdp", "all_gather")] == pytest.approx(kept["fsdp_expected"]["all_gather"], rel=1e-6)
     assert got[("fsdp", "reduce_scatter")] == pytest.approx(sub + root, rel=0.03)
+
+
+def test_the_sharded_lookup_moves_tokens_not_the_table(fake_run):
+    """embedding=vocab: FSDP2 moves the table no more (its all-gathers and reduce-scatters are the other rows'
+    less one table each), and the lookup's exchanges, blocking, carry R·N token ids and R·N rows of D each way;
+    the step's exposed FSDP calls are the root's alone."""
+    from k3lab.config import ModelConfig
+
+    rows, _ = fake_run
+    cfg = ModelConfig.preset("tiny")
+    table, R, N, D = 4 * cfg.vocab_size * cfg.hidden_size, 2, 2 * 32, cfg.hidden_size
+    plain, got = _by_source_kind(rows["tiny-w2-2x32"]), _by_source_kind(rows["tiny-w2-2x32@embedding=vocab"])
+    assert got[("fsdp", "all_gather")] == pytest.approx(plain[("fsdp", "all_gather")] - table, rel=1e-3)
+    assert got[("fsdp", "reduce_scatter")] == pytest.approx(plain[("fsdp", "reduce_scatter")] - table, rel=1e-3)
+    ids, rows_fp32 = 8 * R * N, 4 * R * N * D
+    assert got[("other", "all_gather")] - plain.get(("other", "all_gather"), 0) == ids + rows_fp32
+    assert got[("other", "reduce_scatter")] - plain.get(("other", "reduce_scatter"), 0) == rows_fp32
+    edges = rows["tiny-w2-2x32@embedding=vocab"]["fsdp_edges"]
+    assert [e["kind"] for e in edges] == ["all_gather", "reduce_scatter"] and max(e["bytes"] for e in edges) < table
 
 
 def test_fake_pg_counts_ep_all_to_all(fake_run):

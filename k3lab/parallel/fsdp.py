@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from k3lab.moe.router import SigmoidRouter
+from k3lab.parallel.vocab import EMBEDDINGS, ShardedEmbedding
 
 
 def ignored_parameters(model: nn.Module, expert_params: set[nn.Parameter]) -> set[nn.Parameter]:
@@ -60,14 +61,16 @@ def edge_units(model: nn.Module) -> list[nn.Module]:
     return [model.model.embed_tokens, model.lm_head] if edges_apart(model.config) else []
 
 
-def exposed_calls(cfg) -> int:
+def exposed_calls(cfg, embedding: str = "fsdp") -> int:
     """How many FSDP all-gathers open a step, and reduce-scatters close it, with no compute to hide under: the
-    root's, and the embedding's where :func:`edges_apart` (nothing runs before its forward or after its backward)."""
-    return 1 + edges_apart(cfg)
+    root's, and the embedding's where it is a unit of its own (:func:`edges_apart`, ``embedding="fsdp"``): nothing
+    runs before its forward or after its backward."""
+    return 1 + (edges_apart(cfg) and embedding == "fsdp")
 
 
 def apply_fsdp(model: nn.Module, mesh, expert_params: set[nn.Parameter], param_dtype: torch.dtype | None = None,
-               reshard_after_forward: bool = True, reduce_dtype: torch.dtype | None = None) -> nn.Module:
+               reshard_after_forward: bool = True, reduce_dtype: torch.dtype | None = None,
+               embedding: str = "fsdp") -> nn.Module:
     """``fully_shard`` each sublayer, the embedding and head (:func:`edge_units`; kept gathered from forward to
     backward, as the root), then the root, on the flat 1-D mesh over dp_shard·cp.
 
@@ -76,22 +79,34 @@ def apply_fsdp(model: nn.Module, mesh, expert_params: set[nn.Parameter], param_d
     parameters' dtype); None: float32 with a ``param_dtype``, else the gradients' own. bf16 parameters kept bf16
     (``TrainConfig.moment_dtype="bfloat16"`` / ``master_format="split"``: their masters on the local shards) take
     ``param_dtype=None, reduce_dtype=torch.float32``: the ranks' bf16 partial gradients summed in float32, the sum
-    rounded to bf16 once.
+    rounded to bf16 once. ``embedding``: ``"fsdp"`` (a unit as above, or part of the root) or ``"vocab"``: the table
+    sharded by rows on the same mesh and looked up where its rows live (:class:`k3lab.parallel.vocab.ShardedEmbedding`:
+    the tokens travel, not the table; not with tied weights).
     """
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
     if mesh.ndim != 1:
         raise ValueError(f"apply_fsdp: mesh must be 1-D (a 2-D mesh means HSDP), got {mesh.ndim} axes")
+    if embedding not in EMBEDDINGS:
+        raise ValueError(f"apply_fsdp: embedding={embedding!r}: allowed values are {EMBEDDINGS}")
+    if embedding == "vocab" and model.config.tie_word_embeddings:
+        raise ValueError("ParallelOptions.embedding='vocab': the head shares the embedding's weight "
+                         "(tie_word_embeddings=True) and needs all of it; use 'fsdp'")
     ignored = ignored_parameters(model, expert_params)
     if reduce_dtype is None and param_dtype is not None:
         reduce_dtype = torch.float32
+    if embedding == "vocab":
+        table = ShardedEmbedding(model.model.embed_tokens, mesh, dtype=param_dtype, grad_dtype=reduce_dtype)
+        model.model.embed_tokens = table
+        ignored.add(table.weight)
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     kw = dict(mesh=mesh, mp_policy=mp)
     for module in sublayers(model):
         own = {p for p in module.parameters() if p in ignored}
         fully_shard(module, reshard_after_forward=reshard_after_forward, ignored_params=own or None, **kw)
     for module in edge_units(model):
-        fully_shard(module, reshard_after_forward=False, **kw)
+        if not isinstance(module, ShardedEmbedding):
+            fully_shard(module, reshard_after_forward=False, **kw)
     if edge_units(model):
         register_fsdp_forward_method(model.lm_head, "cross_entropy")
     fully_shard(model, reshard_after_forward=False, ignored_params=ignored or None, **kw)

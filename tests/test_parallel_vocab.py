@@ -1,0 +1,107 @@
+"""The embedding sharded by rows (k3lab.parallel.vocab) against nn.Embedding in one process, at gloo ranks: the
+lookup exactly, the table's gradient (every rank's tokens summed), uneven and empty shards, and fit with
+ParallelOptions(embedding="vocab") against one process."""
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from k3lab.config import ModelConfig
+from k3lab.model import K3ForCausalLM
+from k3lab.parallel.parallelize import ParallelOptions
+from k3lab.parallel.spawn import run_ranks
+from k3lab.parallel.vocab import ShardedEmbedding, lookup_moves_less
+from k3lab.train import TrainConfig, fit
+
+from test_parallel_train import _batches, _train_cfg
+
+
+def _lookup_worker(rank, world, vocab, dtype, grad_dtype):
+    """Each rank looks up its own tokens, as many as every other (every id, repeats, the last row); returns the lookup's error against
+    nn.Embedding, the gradient's against Σ over ranks of one process's, and the rows this rank holds."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.manual_seed(0)
+    one = nn.Embedding(vocab, 6).to(dtype)
+    table = ShardedEmbedding(nn.Embedding(vocab, 6).to(dtype).requires_grad_(), init_device_mesh("cpu", (world,)),
+                             grad_dtype=grad_dtype)
+    with torch.no_grad():  # the same weights: each rank takes its rows of one's
+        table.weight.to_local().copy_(one.weight[slice(*table.row_range())])
+    g = torch.Generator().manual_seed(rank)
+    ids = torch.cat([torch.arange(vocab), torch.randint(0, vocab, (2 * vocab,), generator=g),
+                     torch.full((3,), vocab - 1)]).view(1, -1)                          # [1, N]
+    weights = torch.randn(ids.shape[1], 6, generator=g).to(dtype)                        # [N, D]
+    h = table(ids)                                                                        # [1, N, D]
+    (h[0].float() * weights.float()).sum().backward()
+    ref = one(ids)
+    (ref[0].float() * weights.float()).sum().backward()
+    want = one.weight.grad.float()
+    dist.all_reduce(want)                                                                 # Σ over the ranks' tokens
+    got = table.weight.grad.full_tensor().float()
+    return dict(lookup=(h.float() - ref.float()).abs().max().item(), dtype=str(h.dtype),
+                grad=((got - want).abs().max() / want.abs().max()).item(), rows=table.row_range(),
+                local=tuple(table.weight.to_local().shape), grad_dtype=str(table.weight.grad.dtype))
+
+
+@pytest.mark.parametrize("world,vocab", [(3, 10), (3, 2)])
+def test_sharded_lookup_equals_nn_embedding(world, vocab):
+    """fp32: the lookup bit for bit, the gradient to summation order; rows split as torch.chunk (10 = 4 + 4 + 2; 2
+    rows at 3 ranks leave the last one none)."""
+    ranks = run_ranks(_lookup_worker, world, vocab, torch.float32, None)
+    size = -(-vocab // world)
+    for r, out in enumerate(ranks):
+        assert out["lookup"] == 0.0 and out["grad"] < 1e-6, out
+        lo = min(r * size, vocab)
+        assert out["rows"] == (lo, min(lo + size, vocab)) and out["local"][0] == out["rows"][1] - lo, out
+    assert [out["rows"] for out in ranks][-1] == ((2, 2) if vocab == 2 else (8, 10))
+
+
+def test_sharded_lookup_of_bf16_weights_sums_gradients_in_fp32():
+    """bf16 weights: the lookup is exact (one nonzero term a sum); the gradient rows are summed in fp32 and rounded
+    to bf16 once (the weight's dtype)."""
+    ranks = run_ranks(_lookup_worker, 2, 10, torch.bfloat16, torch.float32)
+    for out in ranks:
+        assert out["lookup"] == 0.0 and out["dtype"] == "torch.bfloat16" and out["grad_dtype"] == "torch.bfloat16"
+        assert out["grad"] < 1e-2, out
+
+
+def test_the_rule_that_picks_the_lookup():
+    """At K3's shape (163,840 rows; 8 ranks × 8,192 tokens; bf16 weights, fp32 reduction) the tokens move fewer
+    bytes than the table; at ``small`` (4,096 rows, 8 × 16,384 tokens) the table does."""
+    assert lookup_moves_less(163_840, 8_192, 8, act_bytes=2, param_bytes=2, reduce_bytes=4)
+    assert not lookup_moves_less(4_096, 16_384, 8, act_bytes=2, param_bytes=2, reduce_bytes=4)
+
+
+def _fit_worker(rank, world):
+    cfg = ModelConfig.preset("tiny")
+    out = {}
+    for name, train_cfg in (("fp32", _train_cfg("adamw")), ("muon", _train_cfg("muon")),
+                            ("fused bf16", dataclasses.replace(_train_cfg("adamw"), fused_loss=True,
+                                                               dtype="bfloat16", param_dtype="bfloat16"))):
+        out[name] = fit(lambda: K3ForCausalLM(cfg), _batches(), train_cfg,
+                        parallel=ParallelOptions(embedding="vocab")).losses
+    try:
+        fit(lambda: K3ForCausalLM(cfg.replace(tie_word_embeddings=True)), _batches(), _train_cfg("adamw"),
+            parallel=ParallelOptions(embedding="vocab"))
+        out["tied"] = "no error"
+    except ValueError as err:
+        out["tied"] = str(err)
+    return out
+
+
+def test_fit_with_the_sharded_lookup_equals_one_process():
+    """fit at 2 gloo ranks (the model built on meta and filled from rank 0, AdamW and Muon: the table stays on
+    AdamW) equals one process; tied weights are refused naming the field."""
+    ranks = run_ranks(_fit_worker, 2)
+    cfg = ModelConfig.preset("tiny")
+    for name, train_cfg, tol in (("fp32", _train_cfg("adamw"), 1e-5), ("muon", _train_cfg("muon"), 1e-5),
+                                 ("fused bf16", dataclasses.replace(_train_cfg("adamw"), fused_loss=True,
+                                                                    dtype="bfloat16", param_dtype="bfloat16"), 2e-2)):
+        torch.manual_seed(0)
+        one = fit(K3ForCausalLM(cfg), _batches(), train_cfg).losses
+        assert ranks[0][name] == ranks[1][name], name
+        for a, b in zip(ranks[0][name], one):
+            assert abs(a - b) / abs(b) < tol, (name, ranks[0][name], one)
+    assert all("ParallelOptions.embedding='vocab'" in r["tied"] and "tie_word_embeddings" in r["tied"] for r in ranks)
