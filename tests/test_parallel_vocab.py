@@ -105,3 +105,22 @@ def test_fit_with_the_sharded_lookup_equals_one_process():
         for a, b in zip(ranks[0][name], one):
             assert abs(a - b) / abs(b) < tol, (name, ranks[0][name], one)
     assert all("ParallelOptions.embedding='vocab'" in r["tied"] and "tie_word_embeddings" in r["tied"] for r in ranks)
+
+
+def _resume_worker(rank, world, run_dir):
+    """3 steps with the table sharded by rows; the same run stopped after 2, saved (DCP), and resumed with the table
+    an FSDP2 unit: the same layout (``Shard(0)`` on the same mesh) under the same names, so the checkpoint serves
+    both."""
+    cfg, tc = ModelConfig.preset("tiny"), _train_cfg("adamw")
+    vocab, fsdp = ParallelOptions(embedding="vocab"), ParallelOptions(embedding="fsdp")
+    full = fit(lambda: K3ForCausalLM(cfg), _batches(), tc, parallel=vocab).losses
+    saved = dataclasses.replace(tc, out_dir=run_dir)
+    fit(lambda: K3ForCausalLM(cfg), _batches(), saved, parallel=vocab, stop_at=2)
+    resumed = fit(lambda: K3ForCausalLM(cfg), _batches(), saved, parallel=fsdp, resume_from=run_dir).losses
+    return full, resumed
+
+
+def test_a_checkpoint_of_the_sharded_table_resumes_as_an_fsdp_unit(tmp_path):
+    for full, resumed in run_ranks(_resume_worker, 2, str(tmp_path / "run")):
+        assert len(full) == len(resumed) == 3, (full, resumed)  # (the resumed history holds the 2 saved steps)
+        assert abs(resumed[-1] - full[-1]) / abs(full[-1]) < 1e-5, (full, resumed)
