@@ -151,3 +151,42 @@ def test_the_recorded_k3_slice_figures_are_the_raw_rows():
     for figure in ("**72.5%**", "89% of its all-to-all bytes", "borrowed at most 4 experts and a home lent at most 8",
                    "**80.9%**"):
         assert figure in notebook, figure
+
+
+def test_the_predicted_edge_rows_are_the_arithmetic_on_the_raw_rows():
+    """docs/scaling.md section 4k's predicted table: the section 4j rank's compute and counted bytes (bf16 replica
+    weights at lent=8), with the embedding's and head's gathers and reductions moved as each layout moves them, through
+    the script's own step model."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("predict_scaling", ROOT / "kernels" / "predict_scaling.py")
+    sys.modules.setdefault("predict_scaling", importlib.util.module_from_spec(spec))
+    spec.loader.exec_module(sys.modules["predict_scaling"])
+    ps = sys.modules["predict_scaling"]
+    base, rank = json.loads(K3SLICE.read_text())["before"]["rows"]
+    V, D, R, N = 163_840, 7_168, 8, 8_192
+    bf16, fp32 = V * D * 2, V * D * 4                                      # one table gathered, one reduced
+    one = 3 * 3072 * 3584
+    rows = 4 * N * 16 * 3584 * 2
+    comm = [dict(c, bytes=rows + 2 * 8 * one * 2) if c["kind"] == "all_to_all" else c for c in rank["comm"]]
+    (ag,), (rs,) = [[e for e in rank["fsdp_edges"] if e["kind"] == k] for k in ("all_gather", "reduce_scatter")]
+    root_ag, root_rs = ag["bytes"] - 2 * bf16, rs["bytes"] - 2 * fp32      # the root's own: norms, AttnRes queries
+    assert root_ag == 716_800
+    edge = lambda kind, b: dict(kind=kind, n=R, bytes=b)  # noqa: E731
+    apart = [edge("all_gather", root_ag), edge("all_gather", bf16), edge("reduce_scatter", root_rs),
+             edge("reduce_scatter", fp32)]
+    vocab_comm = [dict(c, bytes=c["bytes"] - (bf16 if c["kind"] == "all_gather" else fp32))
+                  if c["source"] == "fsdp" else c for c in comm]
+    vocab_comm += [dict(source="other", kind="all_gather", n=R, bytes=R * N * 8 + R * N * D * 2, calls=2),
+                   dict(source="other", kind="reduce_scatter", n=R, bytes=R * N * D * 2, calls=1)]
+    link, c = ps.LINKS[rank["link"]], rank["compute_ms"] / 1e3
+    docs = " ".join((ROOT / "docs" / "scaling.md").read_text().split())
+    for label, (cm, edges) in {"embedding and head units of their own": (comm, apart),
+                               "head a unit, table sharded by rows (`embedding=vocab`)":
+                                   (vocab_comm, [edge("all_gather", root_ag), edge("reduce_scatter", root_rs)])}.items():
+        p = {k: 1e3 * v for k, v in ps.predict_step(c, cm, link, edges).items()}
+        line = (f"| {label} | {p['fsdp_exposed']:.1f} | {p['blocking']:.1f} | {p['realistic']:.1f} "
+                f"| {100 * base['compute_ms'] / p['realistic']:.1f}% |")
+        assert line in docs, line
+    assert "1.88 GB against 7.05 GB (3.75× fewer)" in docs and f"{2 * R * N * D * 2 / 1e9:.2f}" == "1.88"
+    assert f"{V * D * 6 / 1e9:.2f}" == "7.05" and f"{V * D * 6 / (2 * R * N * D * 2):.2f}" == "3.75"
