@@ -82,6 +82,9 @@ def _fit_worker(rank, world):
                                                                dtype="bfloat16", param_dtype="bfloat16"))):
         out[name] = fit(lambda: K3ForCausalLM(cfg), _batches(), train_cfg,
                         parallel=ParallelOptions(embedding="vocab")).losses
+    mtp = cfg.replace(num_nextn_predict_layers=1)  # the table looked up twice a forward (the MTP head's shifted ids)
+    out["mtp"] = fit(lambda: K3ForCausalLM(mtp), _batches(), _train_cfg("adamw"),
+                     parallel=ParallelOptions(embedding="vocab")).losses
     try:
         fit(lambda: K3ForCausalLM(cfg.replace(tie_word_embeddings=True)), _batches(), _train_cfg("adamw"),
             parallel=ParallelOptions(embedding="vocab"))
@@ -93,7 +96,8 @@ def _fit_worker(rank, world):
 
 def test_fit_with_the_sharded_lookup_equals_one_process():
     """fit at 2 gloo ranks (the model built on meta and filled from rank 0, AdamW and Muon: the table stays on
-    AdamW) equals one process; tied weights are refused naming the field."""
+    AdamW; with an MTP head, which looks the table up twice a forward) equals one process; tied weights are refused
+    naming the field."""
     ranks = run_ranks(_fit_worker, 2)
     cfg = ModelConfig.preset("tiny")
     for name, train_cfg, tol in (("fp32", _train_cfg("adamw"), 1e-5), ("muon", _train_cfg("muon"), 1e-5),
@@ -105,6 +109,10 @@ def test_fit_with_the_sharded_lookup_equals_one_process():
         for a, b in zip(ranks[0][name], one):
             assert abs(a - b) / abs(b) < tol, (name, ranks[0][name], one)
     assert all("ParallelOptions.embedding='vocab'" in r["tied"] and "tie_word_embeddings" in r["tied"] for r in ranks)
+    torch.manual_seed(0)
+    one = fit(K3ForCausalLM(cfg.replace(num_nextn_predict_layers=1)), _batches(), _train_cfg("adamw")).losses
+    for a, b in zip(ranks[0]["mtp"], one):
+        assert abs(a - b) / abs(b) < 1e-5, ("mtp", ranks[0]["mtp"], one)
 
 
 def _resume_worker(rank, world, run_dir):
