@@ -390,3 +390,23 @@ def test_replica_weights_cross_in_the_dtype_the_experts_multiply_in():
             assert torch.equal(mine["y"], fp32["y"]), (plan, rank, (mine["y"] - fp32["y"]).abs().max())
             for name, a, b in zip(("z", "topk_weight", "w1", "w3", "w2"), mine["grads"], fp32["grads"]):
                 assert a.dtype == b.dtype == torch.float32 and torch.equal(a, b), (plan, rank, name)
+
+
+def test_picking_replicas_from_the_cast_home_weights_equals_picking_then_casting():
+    """``pick_cast``: the replica rows picked from the home weights already cast to bf16 (the bank's), with the
+    gradient of ``w.index_select(0, pick).to(bf16)``: values and fp32 gradient equal bit for bit, a row picked twice
+    (an expert lent to two ranks) summed."""
+    from k3lab.parallel.expert_static import pick_cast
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(5, 3, 4, generator=g, requires_grad=True)
+    pick = torch.tensor([2, 0, 2, 4, 0, 0])
+    grad_out = torch.randn(6, 3, 4, generator=g).to(torch.bfloat16)
+    ref = w.index_select(0, pick).to(torch.bfloat16)
+    (ref.float() * grad_out.float()).sum().backward()
+    want = w.grad.clone()
+    w.grad = None
+    got = pick_cast(w, w.to(torch.bfloat16), pick)
+    (got.float() * grad_out.float()).sum().backward()
+    assert got.dtype == torch.bfloat16 and torch.equal(got, ref)
+    assert w.grad.dtype == torch.float32 and torch.equal(w.grad, want)

@@ -19,8 +19,9 @@ from test_parallel_train import _batches, _train_cfg
 
 
 def _lookup_worker(rank, world, vocab, dtype, grad_dtype):
-    """Each rank looks up its own tokens, as many as every other (every id, repeats, the last row); returns the lookup's error against
-    nn.Embedding, the gradient's against Σ over ranks of one process's, and the rows this rank holds."""
+    """Each rank looks up its own tokens, as many as every other (every id, repeats, the last row); returns the
+    lookup's error against nn.Embedding, the gradient's against Σ over ranks of one process's, and the rows this rank
+    holds."""
     from torch.distributed.device_mesh import init_device_mesh
 
     torch.manual_seed(0)

@@ -66,6 +66,31 @@ def permute_rows(x: Tensor, order: Tensor, inverse: Tensor) -> Tensor:
     return DispatchRows.apply(x, order, inverse, 1)
 
 
+class _PickCast(torch.autograd.Function):
+    """``low[pick]`` where ``low`` is ``w`` cast to the matmul dtype (the bank's home weights, cast once a forward),
+    with the gradient of ``w.index_select(0, pick).to(low.dtype)``: the picked rows' gradients cast to ``w``'s dtype and
+    index-added into zeros of ``w``'s shape. The same values and the same gradient, bit for bit, without the picked
+    rows' copy in ``w``'s dtype (at K3's widths 118 experts' fp32 weights, 15.6 GB written and read again a forward)."""
+
+    @staticmethod
+    def forward(ctx, w: Tensor, low: Tensor, pick: Tensor) -> Tensor:
+        ctx.save_for_backward(pick)
+        ctx.shape, ctx.dtype = w.shape, w.dtype
+        return low.index_select(0, pick)                                                  # [P, …] in low's dtype
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        (pick,) = ctx.saved_tensors
+        grad = torch.zeros(ctx.shape, dtype=ctx.dtype, device=g.device).index_add_(0, pick, g.to(ctx.dtype))
+        return grad, None, None
+
+
+def pick_cast(w: Tensor, low: Tensor, pick: Tensor) -> Tensor:
+    """``w.index_select(0, pick).to(low.dtype)`` from ``low`` (``w`` already cast), gradient and all
+    (:class:`_PickCast`)."""
+    return _PickCast.apply(w, low, pick)
+
+
 def exchange_reference(x: Tensor, send: Tensor, recv: Tensor, rows_out: int, group: ProcessGroup | None,
                        take: tuple[Tensor, Tensor] | None = None, place: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """:data:`Exchange` by the autograd all-to-all, split sizes read on the host (any backend; not capturable); its
@@ -248,9 +273,11 @@ class StaticMoonEPDispatcher:
         place = bank_order if self._places_rows else None
         x_recv = self._exchange(self._rows(z, send_slots, send_inv, K), splits, 0, 1, M, (c, 0),
                                 place=place)                                              # [M, L] by bank or (s, e, p)
-        replicas = self._replicas(experts, rep, splits, (c, 1), experts.matmul_dtype(z))  # [El, 3·I·L]
+        dtype = experts.matmul_dtype(z)
+        low = tuple(w.to(dtype) for w in (experts.w1, experts.w3, experts.w2))            # the home weights, cast once
+        replicas = self._replicas(experts, low, rep, splits, (c, 1))                      # [El, 3·I·L]
         return dict(S=S, K=K, M=M, n=n, alloc=alloc, counts=counts, splits=splits, send_slots=send_slots,
-                    send_inv=send_inv, x_recv=x_recv, replicas=replicas, bank_counts=bank_counts,
+                    send_inv=send_inv, x_recv=x_recv, replicas=replicas, low=low, bank_counts=bank_counts,
                     bank_order=bank_order)
 
     def _banks(self, n: Tensor, rep: Tensor, home: Tensor, M: int) -> tuple[Tensor, tuple[Tensor, Tensor]]:
@@ -281,7 +308,7 @@ class StaticMoonEPDispatcher:
         M = f["M"]
         self._wait((c, 0))
         self._wait((c, 1))
-        weights = self._bank_weights(experts, f["replicas"])                              # [2·El, …] ×3
+        weights = self._bank_weights(f["low"], f["replicas"])                             # [2·El, …] ×3
         perm, perm_inv = f["bank_order"]
         if self._places_rows:  # the exchange placed them bank-major and takes them back from that order
             y = experts(f["x_recv"], f["bank_counts"], weights)                           # [M, L] by bank
@@ -350,29 +377,30 @@ class StaticMoonEPDispatcher:
         if done is not None:
             torch.cuda.current_stream().wait_event(done)
 
-    def _replicas(self, experts: RoutedExperts, rep: Tensor, splits: Tensor, key: tuple[int, int],
-                  dtype: torch.dtype) -> Tensor:
+    def _replicas(self, experts: RoutedExperts, low: tuple[Tensor, Tensor, Tensor], rep: Tensor, splits: Tensor,
+                  key: tuple[int, int]) -> Tensor:
         """This rank's replicas' weights fetched from their donor in ascending global id, zero-padded to El: ``[El,
         3·I·L]`` rows (w1, w3, w2 flattened; :meth:`_bank_weights` puts them after the home experts). A home rank
         sends its lent (expert, receiver) pairs receiver-major in a fixed buffer of El + R − 2 rows (padding rows:
         expert 0, not sent); the backward returns each replica's gradient home, where ``index_select``'s backward
         adds it into the local parameter's. The rows travel in ``dtype``, the one the expert matmuls read them in
         (:meth:`~k3lab.moe.latent.RoutedExperts.matmul_dtype`: bf16 under autocast, half the bytes of the fp32
-        parameters, the same values; their gradients come back in it, as the matmuls produce them)."""
+        parameters, the same values; their gradients come back in it, as the matmuls produce them). ``low``: the home
+        weights already cast to that dtype for the bank; the rows are picked from them (:func:`pick_cast`: the
+        gradient in the parameters' dtype, as before)."""
         R, r, El = self.num_ranks, self.rank, self.num_local
         own = (experts.w1, experts.w3, experts.w2)                                        # [El, I, L] ×2, [El, L, I]
         lent = rep[r * El:(r + 1) * El].T.reshape(-1)                                     # [R·El] (d, e_local)
         cap_out = min(El + R - 2, R * El)
         pick = (~lent).to(torch.int8).argsort(stable=True)[:cap_out] % El                 # [cap_out] lent first
-        rows = torch.cat([w.index_select(0, pick).flatten(1) for w in own], 1).to(dtype)  # [cap_out, 3·I·L]
+        rows = torch.cat([pick_cast(w, lo, pick).flatten(1) for w, lo in zip(own, low)], 1)  # [cap_out, 3·I·L]
         return self._exchange(rows, splits, 2, 3, El, key, self.weight_exchange)          # [El, 3·I·L]
 
-    def _bank_weights(self, experts: RoutedExperts, got: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """(w1, w3, w2) of the bank: the El home experts, then the replica rows ``got`` of :meth:`_replicas` (once
-        their exchange has been waited for), in ``got``'s dtype (the one the expert matmuls read)."""
-        own = (experts.w1, experts.w3, experts.w2)                                        # [El, I, L] ×2, [El, L, I]
-        parts = got.split([w[0].numel() for w in own], 1)
-        return tuple(torch.cat([w.to(got.dtype), p.view(self.num_local, *w.shape[1:])]) for w, p in zip(own, parts))
+    def _bank_weights(self, low: tuple[Tensor, Tensor, Tensor], got: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """(w1, w3, w2) of the bank: the El home experts ``low`` (cast to the matmul dtype), then the replica rows
+        ``got`` of :meth:`_replicas` (once their exchange has been waited for)."""
+        parts = got.split([w[0].numel() for w in low], 1)
+        return tuple(torch.cat([w, p.view(self.num_local, *w.shape[1:])]) for w, p in zip(low, parts))
 
 
 def apply_static_moonep(model_or_moe: nn.Module, ep_group: ProcessGroup | None,
