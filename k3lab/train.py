@@ -388,10 +388,6 @@ def _setup(model, cfg: TrainConfig, parallel, first_batch_shape) -> _Run:
         raise ValueError(f"fit: the model builder returned {type(net).__name__}, not an nn.Module")
     if parallel is not None and hasattr(net, "config") and first_batch_shape is not None:
         groups.dims.check_model(net.config, *first_batch_shape)
-        if distributed:
-            parallel, chosen = resolve_embedding(cfg, parallel, device.type, net.config, groups.dims, first_batch_shape)
-            if chosen and groups.rank == 0:
-                print(f"profile {cfg.profile}: " + ", ".join(chosen), flush=True)
     if cfg.fused_loss:
         if not hasattr(net, "fused_loss"):
             raise ValueError(f"TrainConfig.fused_loss=True: {type(net).__name__} has no fused_loss attribute "
@@ -413,7 +409,7 @@ def _setup(model, cfg: TrainConfig, parallel, first_batch_shape) -> _Run:
                                reshard_after_forward=getattr(parallel, "reshard_after_forward", True),
                                shared_overlap=getattr(parallel, "shared_overlap", False),
                                ep_chunks=getattr(parallel, "ep_chunks", 1),
-                               embedding=getattr(parallel, "embedding", "fsdp"))
+                               edges=getattr(parallel, "edges", "root"))
     if meta:
         from k3lab.parallel.materialize import materialize_from_rank0
 
@@ -615,27 +611,6 @@ def resolve_ep_plan(cfg: TrainConfig, parallel, device_type: str, world_size: in
     want = dict(ep_plan="device", shared_overlap=True)
     chosen = {k: v for k, v in want.items() if getattr(parallel, k) == defaults[k]}
     return dataclasses.replace(parallel, **chosen), [f"{k}={v!r}" for k, v in chosen.items()]
-
-
-def resolve_embedding(cfg: TrainConfig, parallel, device_type: str, model_cfg, dims, batch_shape: tuple[int, int]):
-    """``parallel`` with the fast profile's embedding layout, and the ``field=value`` setting it made (or none).
-
-    ``"fast"`` on CUDA above world size 1 shards the table by rows (``embedding="vocab"``, :mod:`k3lab.parallel.vocab`)
-    where ``parallel`` leaves it an FSDP2 unit, the head has its own weight, and the lookup's two exchanges move fewer
-    bytes than FSDP2's gather and reduce of the table (:func:`k3lab.parallel.vocab.lookup_moves_less` at this run's
-    tokens a rank, ``batch_shape`` the global [B, T]): at K3's 163,840 rows and 8 ranks of 8,192 tokens 3.75× fewer,
-    at ``small``'s 4,096 rows 21× more. Both exposed: nothing hides the table's gather at the step's start or its
-    reduction at the end (docs/scaling.md, section 4k). Otherwise ``parallel`` is returned as given."""
-    from k3lab.parallel.vocab import lookup_moves_less
-
-    if (cfg.profile != "fast" or device_type != "cuda" or dims.world_size <= 1 or parallel.embedding != "fsdp"
-            or model_cfg.tie_word_embeddings):
-        return parallel, []
-    tokens = batch_shape[0] // dims.dp_shard * (batch_shape[1] // dims.cp)
-    width = 2 if cfg.param_dtype == "bfloat16" else 4  # the table's and the looked-up rows' bytes a value
-    if not lookup_moves_less(model_cfg.vocab_size, tokens, dims.dp_shard * dims.cp, width, width, 4):
-        return parallel, []
-    return dataclasses.replace(parallel, embedding="vocab"), ["embedding='vocab'"]
 
 
 def fit(model, train_batches, cfg: TrainConfig, val_batches=None, resume_from: str | os.PathLike | None = None,

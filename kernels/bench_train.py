@@ -60,7 +60,8 @@ collectives only (:func:`emulates_exchange`); ``overlap=true`` runs the shared e
 exchanges run on a communication stream beside the other chunks' experts (``ParallelOptions.ep_chunks``);
 ``placed=false`` makes the stand-in or emulated exchange leave the bank-major row orders to the dispatcher (its own
 gathers, as for an exchange without a two-dimensional all-to-all; default: the exchange places them);
-``embedding=vocab`` shards the embedding by rows and sends the tokens to them (``ParallelOptions.embedding``).
+``edges=units|vocab`` puts the embedding and the head in FSDP2 units of their own, or the head so and the table
+sharded by rows (``ParallelOptions.edges``).
 
 Defaults: ``small-16x1024 small-8x4096 kda-anchor-8x4096 fla-kda-anchor-8x4096``.
 
@@ -131,7 +132,7 @@ if ROOT not in sys.path:  # run as a script from anywhere: the repo's k3lab firs
 from k3lab.cli import add_dataclass_flags, field_value, flag_errors, flags_for  # noqa: E402
 from k3lab.config import DEVICES, DTYPES  # noqa: E402
 from k3lab.parallel.dims import EP_PLANS  # noqa: E402
-from k3lab.parallel.vocab import EMBEDDINGS  # noqa: E402
+from k3lab.parallel.fsdp import EDGES  # noqa: E402
 from k3lab.train import TrainConfig  # noqa: E402
 
 MODELS = ("small", "kda-anchor", "fla-kda-anchor", "tiny")
@@ -171,8 +172,8 @@ TRAIN_DEFAULTS = {"dtype": "bfloat16", "lr": 1e-3, "warmup_steps": 0}  # where t
 BENCH_OPTIONS = {"via": ("fit", "cli", "fake-rank"), "ranks": ("2", "4", "8"), "reshard": ("true", "false"),
                  "ep": ("1", "2", "4", "8"), "ep_plan": EP_PLANS, "exchange": ("stand-in", "emulated"),
                  "overlap": ("true", "false"), "chunks": ("1", "2", "4"), "placed": ("true", "false"),
-                 "embedding": EMBEDDINGS}
-RANK_OPTIONS = ("ranks", "reshard", "ep", "ep_plan", "exchange", "overlap", "chunks", "placed", "embedding")
+                 "edges": EDGES}
+RANK_OPTIONS = ("ranks", "reshard", "ep", "ep_plan", "exchange", "overlap", "chunks", "placed", "edges")
 # fla's model: the k3lab-only settings, whatever the command line or the config says (its row shows them)
 FLA_SETTINGS = dict(param_dtype="float32", moment_dtype="float32", master_format="float32", compile="none",
                     recompute="none", recompute_layers=None, cuda_graph=False, fused_loss=False)
@@ -411,7 +412,7 @@ def run_config(spec: Spec, args) -> dict:
                     + (", shared expert on a side stream" if spec.option("overlap", "false") == "true" else "")
                     + (f", {spec.option('chunks', '1')} chunks" if spec.option("chunks", "1") != "1" else "")
                     + (", rows placed by the dispatcher" if spec.option("placed", "true") == "false" else "")
-                    + (", embedding sharded by rows" if spec.option("embedding", "fsdp") == "vocab" else ""))
+                    + (f", edges={spec.option('edges')}" if spec.option("edges", "root") != "root" else ""))
                 del model
                 history, peak, counted = run_via(via, spec, cfg, device, on_step=on_step)
         except TrainingDiverged as err:
@@ -494,7 +495,7 @@ def fit_as_fake_rank(spec: Spec, cfg, train_cfg, device, on_step=None) -> tuple[
     parallel = ParallelOptions(reshard_after_forward=spec.option("reshard", "true") == "true",
                                ep=int(spec.option("ep", "1")), ep_plan=spec.option("ep_plan", "host"),
                                shared_overlap=spec.option("overlap", "false") == "true",
-                               ep_chunks=int(spec.option("chunks", "1")), embedding=spec.option("embedding", "fsdp"))
+                               ep_chunks=int(spec.option("chunks", "1")), edges=spec.option("edges", "root"))
     exchange = contextlib.nullcontext()
     if emulates_exchange(spec) or uses_stand_in(spec, train_cfg):
         from k3lab.parallel.expert_static import default_exchange
@@ -508,7 +509,7 @@ def fit_as_fake_rank(spec: Spec, cfg, train_cfg, device, on_step=None) -> tuple[
             on_step(step, row)
         counter.counting = step == 1
         if step == 2:
-            counted.update(counter.summary(edge_calls=exposed_calls(cfg, parallel.embedding)))
+            counted.update(counter.summary(edge_calls=exposed_calls(parallel.edges)))
 
     with ps.fake_rank(ranks, 0, device) as counter, exchange:
         history = fit(lambda: K3ForCausalLM(cfg), batches_for("random", cfg, ranks * spec.B, spec.T, 0), train_cfg,

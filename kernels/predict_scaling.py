@@ -38,7 +38,7 @@ all-gather, reduce-scatter and all-to-all, 2(N-1)/N for all-reduce. Three predic
 no overlap (compute + Σ comm), full overlap (max(compute, Σ comm)), and FSDP's realistic case (EP and CP
 collectives and the small all-reduces block the compute stream; FSDP2 prefetches its all-gathers and runs
 its reduce-scatters on a side stream, so only the all-gathers that open the step and the reduce-scatters that
-close it are exposed, the root's and the embedding's where it is a unit of its own
+close it are exposed: the root's, and the embedding's where it is a unit of its own
 (:func:`k3lab.parallel.fsdp.exposed_calls`); the rest hides under compute up to the compute time).
 
 Every config also measures its **one-GPU baseline** in the same run: world size 1 (no process group, no
@@ -58,8 +58,9 @@ timed by :func:`fixed_size_exchange`; ``kernels/bench_train.py``'s ``exchange=em
 :func:`emulated_exchange` instead, which holds the stream for each all-to-all's modelled time so that overlap shows
 in the measured step),
 ``reshard=true|false`` (FSDP2 ``reshard_after_forward``, :class:`~k3lab.parallel.parallelize.ParallelOptions`),
-``embedding=fsdp|vocab`` (``ParallelOptions.embedding``: the table an FSDP2 unit, or sharded by rows with the
-tokens sent to them, :mod:`k3lab.parallel.vocab`; its exchanges block the compute stream),
+``edges=root|units|vocab`` (``ParallelOptions.edges``: the embedding and head in the root unit, units of their own,
+or the head a unit and the table sharded by rows with the tokens sent to them, :mod:`k3lab.parallel.vocab`, whose
+exchanges block the compute stream),
 ``init=device|meta`` (meta: build on the meta device, lay out, ``to_empty``, fill for timing; k3slice's
 default), ``baseline=world1|local-experts``, ``vocab=V``, ``graph=true|false`` (forward, backward and gradient
 norm replayed as one CUDA graph, :class:`k3lab.cuda_graph.GraphedForwardBackward`, captured after the counting
@@ -687,7 +688,7 @@ PRESETS = ("tiny", "small", "k3slice")
 OPTIONS = {"optimizer": ("adamw", "sgd"), "recompute": None, "layers": int, "rank": int,
            "ep_kind": ("moonep", "ep", "static"), "baseline": ("world1", "local-experts"), "init": ("device", "meta"),
            "vocab": int, "reshard": ("true", "false"), "graph": ("true", "false"), "lent": int,
-           "embedding": ("fsdp", "vocab")}
+           "edges": ("root", "units", "vocab")}
 
 
 @dataclass(frozen=True)
@@ -761,7 +762,9 @@ CONFIG_LISTS = {
             "small-w2-ep2-16x1024", "small-w4-ep4-16x1024", "small-w8-ep8-16x1024",
             "small-w2-cp2-1x32768@recompute=sublayer", "small-w4-cp4-1x32768@recompute=sublayer",
             "k3slice-w8-ep8-2x4096@optimizer=sgd,ep_kind=ep",
-            "k3slice-w8-ep8-2x4096@optimizer=sgd,ep_kind=static,graph=true,lent=8"],
+            "k3slice-w8-ep8-2x4096@optimizer=sgd,ep_kind=static,graph=true,lent=8",
+            "k3slice-w8-ep8-2x4096@optimizer=sgd,ep_kind=static,graph=true,lent=8,edges=units",
+            "k3slice-w8-ep8-2x4096@optimizer=sgd,ep_kind=static,graph=true,lent=8,edges=vocab"],
     "gpu-quick": ["small-w8-16x1024", "small-w8-ep8-16x1024", "k3slice-w8-ep8-2x4096@optimizer=sgd,ep_kind=ep"],
 }
 
@@ -1053,7 +1056,7 @@ def run_config(spec: Spec, args, *, process_group: str = "fake") -> dict:
         model, experts = parallelize(model, groups, device, ep_kind="moonep" if ep_kind == "static" else ep_kind,
                                      cp_layout="contiguous", recompute=spec.option("recompute", args.recompute),
                                      compile=args.compile, param_dtype=param_dtype if distributed else None,
-                                     reshard_after_forward=reshard, embedding=spec.option("embedding", "fsdp"))
+                                     reshard_after_forward=reshard, edges=spec.option("edges", "root"))
         if ep_kind == "static" and spec.ep > 1:
             from k3lab.parallel.expert_static import apply_static_moonep
 
@@ -1165,7 +1168,7 @@ def run_config(spec: Spec, args, *, process_group: str = "fake") -> dict:
             with eager, mode if mode is not None else contextlib.nullcontext():
                 losses.append(step()[0])
             counter.counting = False
-            counted = counter.summary(edge_calls=exposed_calls(cfg, spec.option("embedding", "fsdp")))
+            counted = counter.summary(edge_calls=exposed_calls(spec.option("edges", "root")))
             if mode is not None:
                 python_side = defaultdict(float)
                 for r in counted["comm"]:

@@ -163,7 +163,7 @@ def test_fit_as_a_fake_rank():
         f"{per_gpu / 200:.3f}× fit on one GPU"]
     for bad in ("tiny-2x32@ranks=2", "tiny-2x32@via=fit,reshard=false", "tiny-2x32@ep=2"):
         with pytest.raises(ValueError, match="options ranks=, reshard=, ep=, ep_plan=, exchange=, overlap=, chunks=, "
-                                             "placed=, embedding= need via=fake-rank"):
+                                             "placed=, edges= need via=fake-rank"):
             bench.parse_config(bad)
     for bad in ("tiny-2x32@via=fake-rank,placed=false", "tiny-2x32@via=fake-rank,ep=2,ep_plan=host,placed=true"):
         with pytest.raises(ValueError, match="option 'placed=' needs ep=2|4|8 and ep_plan=device"):

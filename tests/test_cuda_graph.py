@@ -127,12 +127,12 @@ def _fake_batch(cfg, step):
     return x, y
 
 
-def _fake_group_fit(cfg, train_cfgs, ep=1, results=False, embedding="fsdp"):
+def _fake_group_fit(cfg, train_cfgs, ep=1, results=False, edges="root"):
     """``fit`` at world size 2 as rank 0 of PyTorch's fake process group (one process, no second GPU: its
     collectives return this rank's own data; ``kernels/predict_scaling.py``'s ``fake_rank`` fills what an older
     torch's fake group leaves empty, such as the scatter that gives the shards their weights), once per
     TrainConfig: FSDP alone, or with ``ep=2`` MoonEP planned on the device with the script's capturable stand-in
-    exchange; ``embedding``: ``ParallelOptions.embedding``. The losses of each run (``results``: fit's results)."""
+    exchange; ``edges``: ``ParallelOptions.edges``. The losses of each run (``results``: fit's results)."""
     import contextlib
 
     from k3lab.parallel.expert_static import default_exchange
@@ -140,7 +140,7 @@ def _fake_group_fit(cfg, train_cfgs, ep=1, results=False, embedding="fsdp"):
     from k3lab.testing import load_script
 
     ps = load_script(ROOT / "kernels" / "predict_scaling.py", "predict_scaling")
-    parallel = ParallelOptions(timeout=300, ep=ep, embedding=embedding, **({"ep_plan": "device"} if ep > 1 else {}))
+    parallel = ParallelOptions(timeout=300, ep=ep, edges=edges, **({"ep_plan": "device"} if ep > 1 else {}))
     exchange = default_exchange(ps.fixed_size_exchange) if ep > 1 else contextlib.nullcontext()
     with ps.fake_rank(2, 0, torch.device(train_cfgs[0].device)), exchange:
         out = []
@@ -240,22 +240,23 @@ def test_sharded_rank_graphed_equals_eager():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("ep,embedding", [(1, "fsdp"), (2, "fsdp"), (2, "vocab")])
-def test_sharded_rank_graphed_update_equals_eager(ep, embedding):
+@pytest.mark.parametrize("ep,edges", [(1, "root"), (2, "root"), (1, "units"), (2, "vocab")])
+def test_sharded_rank_graphed_update_equals_eager(ep, edges):
     """A sharded rank's update as a CUDA graph too: fit at world size 2 (rank 0 of the fake group on one GPU) with
     bf16 weights, split masters and bf16 moments, compiled sublayers, cuda_graph=True against the same rank eager:
     the same losses and gradient norms step by step through the eager steps, the captures and the replays (1e-5,
     as the one-GPU graphed test), so the replayed update (the fused AdamW on the local shards, QK-Clip's max
     all-reduce, the balancers' update) is the eager one. ``qk_clip_tau=0.02`` makes QK-Clip rescale every step.
     ``ep=2``: MoonEP planned on the device with the capturable stand-in exchange, its expert slices stepped in the
-    same graph. ``embedding="vocab"``: the table sharded by rows, its lookup's exchanges captured too."""
+    same graph. ``edges``: "units", the embedding and head units of their own (the fused loss through the head's
+    registered method); "vocab", the table sharded by rows, its lookup's exchanges captured too."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     cfg = ModelConfig.preset("tiny").replace(qk_clip_tau=0.02)
     base = dict(steps=6, lr=3e-3, device="cuda", dtype="bfloat16", param_dtype="bfloat16", moment_dtype="bfloat16",
                 master_format="split", compile="sublayer", fused_loss=True, progress=False)
     eager, graphed = _fake_group_fit(cfg, [TrainConfig(**base), TrainConfig(**base, cuda_graph=True)], ep=ep,
-                                     results=True, embedding=embedding)
+                                     results=True, edges=edges)
     for key in ("loss", "grad_norm"):
         a, b = torch.tensor(eager.column(key)[1]), torch.tensor(graphed.column(key)[1])
         assert_close(key, a, b, 1e-5)

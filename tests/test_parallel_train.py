@@ -99,16 +99,22 @@ def _materialize_check(rank, world):
 
 
 def _edge_units(rank, world):
-    """The names of the embedding and head modules that are FSDP units of their own: for the plain tiny model, with
-    MTP (its embedding and head run twice a forward) and with tied weights."""
+    """For each model (plain tiny, with MTP, tied) and ParallelOptions.edges: the names of the embedding and head
+    modules that are FSDP units of their own, or the refusal's message."""
     from torch.distributed.fsdp import FSDPModule
 
     groups = init_groups(ParallelDims(world))
     found = {}
     for name, kw in (("plain", {}), ("mtp", dict(num_nextn_predict_layers=1)), ("tied", dict(tie_word_embeddings=True))):
-        model, _ = parallelize(K3ForCausalLM(ModelConfig.preset("tiny").replace(**kw)), groups, torch.device("cpu"))
-        found[name] = sorted(n for n, m in model.named_modules() if isinstance(m, FSDPModule)
-                             and n in ("model.embed_tokens", "lm_head"))
+        for edges in ("root", "units", "vocab"):
+            try:
+                model, _ = parallelize(K3ForCausalLM(ModelConfig.preset("tiny").replace(**kw)), groups,
+                                       torch.device("cpu"), edges=edges)
+            except ValueError as err:
+                found[name, edges] = str(err)
+                continue
+            found[name, edges] = sorted(n for n, m in model.named_modules() if isinstance(m, FSDPModule)
+                                        and n in ("model.embed_tokens", "lm_head"))
     return found
 
 
@@ -149,12 +155,20 @@ def fsdp_runs():
     return {b: [r[b] for r in ranks] for b in BALANCERS_TESTED}, [r["edge_units"] for r in ranks]
 
 
-def test_embedding_and_head_are_fsdp_units_where_each_runs_once(fsdp_runs):
-    """Their own units (the root's unhideable all-gather holds the norms only), except with MTP (each runs twice a
-    forward: two reduce-scatters) or tied weights; the losses and gradients above are taken with the plain layout
-    (the fused loss's head through ``LMHead.cross_entropy``: tests/test_one_loop.py)."""
-    for units in fsdp_runs[1]:
-        assert units == {"plain": ["lm_head", "model.embed_tokens"], "mtp": [], "tied": []}, units
+def test_edges_put_the_embedding_and_head_where_they_say(fsdp_runs):
+    """ParallelOptions.edges: "root" keeps both in the root unit; "units" makes each a unit of its own (the root's
+    unhideable all-gather then holds the norms only), refused by name with MTP (each runs twice a forward: two
+    reduce-scatters) or tied weights; "vocab" makes the head a unit (not with MTP) and shards the table by rows
+    (tests/test_parallel_vocab.py); the losses and gradients above are taken with "root", the other layouts'
+    in tests/test_parallel_vocab.py."""
+    for found in fsdp_runs[1]:
+        for key in (("plain", "root"), ("mtp", "root"), ("tied", "root"), ("mtp", "vocab")):
+            assert found[key] == [], (key, found[key])
+        assert found["plain", "units"] == ["lm_head", "model.embed_tokens"] and found["plain", "vocab"] == ["lm_head"]
+        assert "ParallelOptions.edges='units'" in found["mtp", "units"] and "MTP" in found["mtp", "units"]
+        for edges in ("units", "vocab"):
+            assert f"ParallelOptions.edges={edges!r}" in found["tied", edges], found["tied", edges]
+            assert "tie_word_embeddings=True" in found["tied", edges]
 
 
 def _one_process(balancer, optimizer):

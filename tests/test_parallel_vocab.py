@@ -1,6 +1,6 @@
-"""The embedding sharded by rows (k3lab.parallel.vocab) against nn.Embedding in one process, at gloo ranks: the
-lookup exactly, the table's gradient (every rank's tokens summed), uneven and empty shards, and fit with
-ParallelOptions(embedding="vocab") against one process."""
+"""The embedding and head outside the root unit (ParallelOptions.edges) against one process, at gloo ranks: the table
+sharded by rows (k3lab.parallel.vocab) against nn.Embedding (the lookup exactly, the table's gradient: every rank's
+tokens summed; uneven and empty shards), and fit with edges="vocab" and edges="units" against one process."""
 import dataclasses
 
 import pytest
@@ -12,7 +12,7 @@ from k3lab.config import ModelConfig
 from k3lab.model import K3ForCausalLM
 from k3lab.parallel.parallelize import ParallelOptions
 from k3lab.parallel.spawn import run_ranks
-from k3lab.parallel.vocab import ShardedEmbedding, lookup_moves_less
+from k3lab.parallel.vocab import ShardedEmbedding
 from k3lab.train import TrainConfig, fit
 
 from test_parallel_train import _batches, _train_cfg
@@ -68,60 +68,49 @@ def test_sharded_lookup_of_bf16_weights_sums_gradients_in_fp32():
         assert out["grad"] < 1e-2, out
 
 
-def test_the_rule_that_picks_the_lookup():
-    """At K3's shape (163,840 rows; 8 ranks × 8,192 tokens; bf16 weights, fp32 reduction) the tokens move fewer
-    bytes than the table; at ``small`` (4,096 rows, 8 × 16,384 tokens) the table does."""
-    assert lookup_moves_less(163_840, 8_192, 8, act_bytes=2, param_bytes=2, reduce_bytes=4)
-    assert not lookup_moves_less(4_096, 16_384, 8, act_bytes=2, param_bytes=2, reduce_bytes=4)
+FIT_CASES = {"vocab, fp32": ("vocab", {}, 1e-5), "vocab, muon": ("vocab", dict(optimizer="muon"), 1e-5),
+             "vocab, fused bf16": ("vocab", dict(fused_loss=True, dtype="bfloat16", param_dtype="bfloat16"), 2e-2),
+             "vocab, mtp": ("vocab", {}, 1e-5),  # the table looked up twice a forward (the MTP head's shifted ids)
+             "units, fp32": ("units", {}, 1e-5),
+             "units, fused bf16": ("units", dict(fused_loss=True, dtype="bfloat16", param_dtype="bfloat16"), 2e-2)}
+
+
+def _case(name):
+    edges, kw, tol = FIT_CASES[name]
+    train_cfg = _train_cfg(kw.pop("optimizer", "adamw"))
+    cfg = ModelConfig.preset("tiny").replace(num_nextn_predict_layers=1 if name.endswith("mtp") else 0)
+    return edges, cfg, dataclasses.replace(train_cfg, **kw), tol
 
 
 def _fit_worker(rank, world):
-    cfg = ModelConfig.preset("tiny")
     out = {}
-    for name, train_cfg in (("fp32", _train_cfg("adamw")), ("muon", _train_cfg("muon")),
-                            ("fused bf16", dataclasses.replace(_train_cfg("adamw"), fused_loss=True,
-                                                               dtype="bfloat16", param_dtype="bfloat16"))):
-        out[name] = fit(lambda: K3ForCausalLM(cfg), _batches(), train_cfg,
-                        parallel=ParallelOptions(embedding="vocab")).losses
-    mtp = cfg.replace(num_nextn_predict_layers=1)  # the table looked up twice a forward (the MTP head's shifted ids)
-    out["mtp"] = fit(lambda: K3ForCausalLM(mtp), _batches(), _train_cfg("adamw"),
-                     parallel=ParallelOptions(embedding="vocab")).losses
-    try:
-        fit(lambda: K3ForCausalLM(cfg.replace(tie_word_embeddings=True)), _batches(), _train_cfg("adamw"),
-            parallel=ParallelOptions(embedding="vocab"))
-        out["tied"] = "no error"
-    except ValueError as err:
-        out["tied"] = str(err)
+    for name in FIT_CASES:
+        edges, cfg, train_cfg, _ = _case(name)
+        out[name] = fit(lambda: K3ForCausalLM(cfg), _batches(), train_cfg, parallel=ParallelOptions(edges=edges)).losses
     return out
 
 
-def test_fit_with_the_sharded_lookup_equals_one_process():
-    """fit at 2 gloo ranks (the model built on meta and filled from rank 0, AdamW and Muon: the table stays on
-    AdamW; with an MTP head, which looks the table up twice a forward) equals one process; tied weights are refused
-    naming the field."""
+def test_fit_with_the_edges_apart_equals_one_process():
+    """fit at 2 gloo ranks (the model built on meta and filled from rank 0) equals one process: the table sharded by
+    rows (AdamW; Muon, under which it stays on AdamW; bf16 with the fused loss; an MTP head, which looks it up twice
+    a forward) and the embedding and head as units (the fused loss reads the head's weight through its registered
+    method; without the registration the step fails on a sharded weight)."""
     ranks = run_ranks(_fit_worker, 2)
-    cfg = ModelConfig.preset("tiny")
-    for name, train_cfg, tol in (("fp32", _train_cfg("adamw"), 1e-5), ("muon", _train_cfg("muon"), 1e-5),
-                                 ("fused bf16", dataclasses.replace(_train_cfg("adamw"), fused_loss=True,
-                                                                    dtype="bfloat16", param_dtype="bfloat16"), 2e-2)):
+    for name in FIT_CASES:
+        _, cfg, train_cfg, tol = _case(name)
         torch.manual_seed(0)
         one = fit(K3ForCausalLM(cfg), _batches(), train_cfg).losses
         assert ranks[0][name] == ranks[1][name], name
         for a, b in zip(ranks[0][name], one):
             assert abs(a - b) / abs(b) < tol, (name, ranks[0][name], one)
-    assert all("ParallelOptions.embedding='vocab'" in r["tied"] and "tie_word_embeddings" in r["tied"] for r in ranks)
-    torch.manual_seed(0)
-    one = fit(K3ForCausalLM(cfg.replace(num_nextn_predict_layers=1)), _batches(), _train_cfg("adamw")).losses
-    for a, b in zip(ranks[0]["mtp"], one):
-        assert abs(a - b) / abs(b) < 1e-5, ("mtp", ranks[0]["mtp"], one)
 
 
 def _resume_worker(rank, world, run_dir):
     """3 steps with the table sharded by rows; the same run stopped after 2, saved (DCP), and resumed with the table
-    an FSDP2 unit: the same layout (``Shard(0)`` on the same mesh) under the same names, so the checkpoint serves
-    both."""
+    in FSDP2's root unit: the same layout (``Shard(0)`` on the same mesh) under the same names, so the checkpoint
+    serves both."""
     cfg, tc = ModelConfig.preset("tiny"), _train_cfg("adamw")
-    vocab, fsdp = ParallelOptions(embedding="vocab"), ParallelOptions(embedding="fsdp")
+    vocab, fsdp = ParallelOptions(edges="vocab"), ParallelOptions(edges="root")
     full = fit(lambda: K3ForCausalLM(cfg), _batches(), tc, parallel=vocab).losses
     saved = dataclasses.replace(tc, out_dir=run_dir)
     fit(lambda: K3ForCausalLM(cfg), _batches(), saved, parallel=vocab, stop_at=2)
@@ -129,7 +118,7 @@ def _resume_worker(rank, world, run_dir):
     return full, resumed
 
 
-def test_a_checkpoint_of_the_sharded_table_resumes_as_an_fsdp_unit(tmp_path):
+def test_a_checkpoint_of_the_sharded_table_resumes_in_the_root_unit(tmp_path):
     for full, resumed in run_ranks(_resume_worker, 2, str(tmp_path / "run")):
         assert len(full) == len(resumed) == 3, (full, resumed)  # (the resumed history holds the 2 saved steps)
         assert abs(resumed[-1] - full[-1]) / abs(full[-1]) < 1e-5, (full, resumed)

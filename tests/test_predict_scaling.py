@@ -93,7 +93,8 @@ def fake_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("predict") / "rows.json"
     cmd = [sys.executable, str(SCRIPT), "--device", "cpu", "--dtype", "float32", "--steps", "1", "--warmup", "1",
            "--configs", "tiny-w2-2x32", "tiny-w2-ep2-2x32@init=meta", "tiny-w2-2x32@reshard=false",
-           "tiny-w4-ep4-2x32@ep_kind=static", "tiny-w4-ep4-2x32@ep_kind=static,lent=1", "tiny-w2-2x32@embedding=vocab",
+           "tiny-w4-ep4-2x32@ep_kind=static", "tiny-w4-ep4-2x32@ep_kind=static,lent=1", "tiny-w2-2x32@edges=units",
+           "tiny-w2-2x32@edges=vocab",
            "--json", str(out),
            "--raise-errors"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -149,17 +150,20 @@ def test_fake_pg_counts_fsdp_bytes(fake_run):
         base["compute_ms"] / row["compute_ms"])
     p = row["predicted"]["nvlink8"]
     assert p["overlap"] <= p["realistic"] <= p["no_overlap"]
-    # the edges nothing hides: the root's all-gather (its norms and AttnRes queries), the embedding's (a unit of its
-    # own, k3lab.parallel.fsdp.edges_apart), and their reduce-scatters at the end; the head's are not among them
+    # the edges nothing hides: the root's all-gather and reduce-scatter, the embedding and head inside (edges=root);
+    # with edges=units the root's (its norms and AttnRes queries) and the embedding's, not the head's
     from k3lab.config import ModelConfig
 
     cfg = ModelConfig.preset("tiny")
     table = 4 * cfg.vocab_size * cfg.hidden_size                   # the embedding's (= the head's) fp32 bytes
     edges = [(e["kind"], e["bytes"]) for e in row["fsdp_edges"]]
+    assert [k for k, _ in edges] == ["all_gather", "reduce_scatter"] and edges[0][1] >= root, edges
+    edges = [(e["kind"], e["bytes"]) for e in rows["tiny-w2-2x32@edges=units"]["fsdp_edges"]]
     assert [k for k, _ in edges] == ["all_gather", "all_gather", "reduce_scatter", "reduce_scatter"], edges
     rest = root - 2 * table                                          # the root's own (each parameter padded)
     assert [b for _, b in edges] == pytest.approx([rest, table, rest, table], rel=0.4)
     assert edges[1][1] == edges[3][1] == pytest.approx(table, rel=1e-3)  # (the final callback: root, then embedding)
+    assert _by_source_kind(rows["tiny-w2-2x32@edges=units"]) == pytest.approx(got, rel=1e-3)  # the same bytes
     assert "| tiny-w2-2x32 | 2 | 64 |" in stdout  # the table, printed last
     kept = rows["tiny-w2-2x32@reshard=false"]  # ParallelOptions.reshard_after_forward=False: no backward re-gather
     got = _by_source_kind(kept)
@@ -169,21 +173,21 @@ def test_fake_pg_counts_fsdp_bytes(fake_run):
 
 
 def test_the_sharded_lookup_moves_tokens_not_the_table(fake_run):
-    """embedding=vocab: FSDP2 moves the table no more (its all-gathers and reduce-scatters are the other rows'
+    """edges=vocab: FSDP2 moves the table no more (its all-gathers and reduce-scatters are the other rows'
     less one table each), and the lookup's exchanges, blocking, carry R·N token ids and R·N rows of D each way;
-    the step's exposed FSDP calls are the root's alone."""
+    the step's exposed FSDP calls are the root's alone (the head a unit of its own)."""
     from k3lab.config import ModelConfig
 
     rows, _ = fake_run
     cfg = ModelConfig.preset("tiny")
     table, R, N, D = 4 * cfg.vocab_size * cfg.hidden_size, 2, 2 * 32, cfg.hidden_size
-    plain, got = _by_source_kind(rows["tiny-w2-2x32"]), _by_source_kind(rows["tiny-w2-2x32@embedding=vocab"])
+    plain, got = _by_source_kind(rows["tiny-w2-2x32"]), _by_source_kind(rows["tiny-w2-2x32@edges=vocab"])
     assert got[("fsdp", "all_gather")] == pytest.approx(plain[("fsdp", "all_gather")] - table, rel=1e-3)
     assert got[("fsdp", "reduce_scatter")] == pytest.approx(plain[("fsdp", "reduce_scatter")] - table, rel=1e-3)
     ids, rows_fp32 = 8 * R * N, 4 * R * N * D
     assert got[("other", "all_gather")] - plain.get(("other", "all_gather"), 0) == ids + rows_fp32
     assert got[("other", "reduce_scatter")] - plain.get(("other", "reduce_scatter"), 0) == rows_fp32
-    edges = rows["tiny-w2-2x32@embedding=vocab"]["fsdp_edges"]
+    edges = rows["tiny-w2-2x32@edges=vocab"]["fsdp_edges"]
     assert [e["kind"] for e in edges] == ["all_gather", "reduce_scatter"] and max(e["bytes"] for e in edges) < table
 
 

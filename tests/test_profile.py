@@ -10,7 +10,7 @@ from k3lab.config import ModelConfig
 from k3lab.data import batch_iterator
 from k3lab.model import K3ForCausalLM
 from k3lab.parallel.parallelize import ParallelOptions
-from k3lab.train import FAST_CUDA, PROFILES, TrainConfig, fit, resolve_embedding, resolve_ep_plan, resolve_profile
+from k3lab.train import FAST_CUDA, PROFILES, TrainConfig, fit, resolve_ep_plan, resolve_profile
 
 
 def test_fast_on_cuda_fills_the_defaults_with_the_measured_best():
@@ -53,28 +53,6 @@ def test_fast_plans_moonep_on_the_device_only_where_that_was_measured_faster():
             (TrainConfig(compile="sublayer"), ParallelOptions(ep=8), "cuda", 8), (fast, None, "cuda", 8)]
     for cfg, parallel, device, world in kept:
         assert resolve_ep_plan(cfg, parallel, device, world) == (parallel, []), (cfg.profile, parallel, device, world)
-
-
-def test_fast_shards_the_embedding_by_rows_where_the_tokens_move_fewer_bytes():
-    """Fast, CUDA, above world size 1, the layout left at "fsdp", untied: at K3's vocabulary and 8 ranks of 2 × 4096
-    tokens the table is sharded by rows; at ``small`` (4,096 rows, 16 × 1024 tokens a rank), with tied weights, a
-    layout the run set, on a CPU, at one rank or under the reference profile it is left as given."""
-    from k3lab.parallel.dims import ParallelDims
-
-    fast, _ = resolve_profile(TrainConfig(profile="fast"), "cuda", 8)
-    k3, small, eight = ModelConfig.preset("k3"), ModelConfig.preset("small"), ParallelDims(8)
-    assert resolve_embedding(fast, ParallelOptions(), "cuda", k3, eight, (16, 4096)) == (
-        ParallelOptions(embedding="vocab"), ["embedding='vocab'"])
-    assert resolve_embedding(fast, ParallelOptions(cp=2), "cuda", k3, ParallelDims(8, cp=2), (8, 8192))[1] == [
-        "embedding='vocab'"]                                                  # 2 × 4096 tokens a rank there too
-    kept = [(fast, ParallelOptions(), "cuda", small, eight, (128, 1024)),
-            (fast, ParallelOptions(), "cuda", k3.replace(tie_word_embeddings=True), eight, (16, 4096)),
-            (fast, ParallelOptions(embedding="vocab"), "cuda", small, eight, (128, 1024)),
-            (fast, ParallelOptions(), "cpu", k3, eight, (16, 4096)),
-            (fast, ParallelOptions(), "cuda", k3, ParallelDims(1), (2, 4096)),
-            (TrainConfig(), ParallelOptions(), "cuda", k3, eight, (16, 4096))]
-    for cfg, parallel, device, model_cfg, dims, shape in kept:
-        assert resolve_embedding(cfg, parallel, device, model_cfg, dims, shape) == (parallel, []), (parallel, device)
 
 
 @pytest.mark.parametrize("device", ["cpu"])

@@ -181,8 +181,8 @@ def test_the_predicted_edge_rows_are_the_arithmetic_on_the_raw_rows():
                    dict(source="other", kind="reduce_scatter", n=R, bytes=R * N * D * 2, calls=1)]
     link, c = ps.LINKS[rank["link"]], rank["compute_ms"] / 1e3
     docs = " ".join((ROOT / "docs" / "scaling.md").read_text().split())
-    for label, (cm, edges) in {"embedding and head units of their own": (comm, apart),
-                               "head a unit, table sharded by rows (`embedding=vocab`)":
+    for label, (cm, edges) in {"`edges=units`": (comm, apart),
+                               "`edges=vocab`":
                                    (vocab_comm, [edge("all_gather", root_ag), edge("reduce_scatter", root_rs)])}.items():
         p = {k: 1e3 * v for k, v in ps.predict_step(c, cm, link, edges).items()}
         line = (f"| {label} | {p['fsdp_exposed']:.1f} | {p['blocking']:.1f} | {p['realistic']:.1f} "

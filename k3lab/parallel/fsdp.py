@@ -7,11 +7,14 @@ layer's outputs never fire and the layer's parameters are never re-gathered for 
 ``self_attn`` and MLP module returns plain tensors, so wrapping those works (the norms and AttnRes
 queries belong to the root).
 
-The embedding and the head are units of their own (torchtitan's layout), where each runs once a forward and they
-share no weight (:func:`edge_units`): the root's all-gather, which nothing before it can hide, then holds the norms
-only, and the head's all-gather and reduce-scatter hide under the layers' compute like a sublayer's. At K3's
-163,840-token vocabulary each is 1.17 B parameters. With MTP (the embedding and head run twice) or tied weights they
-stay in the root: a unit called twice reduce-scatters twice. The fused loss reads the head's weight through
+Where the embedding and the head live (``ParallelOptions.edges``, :data:`EDGES`): ``"root"`` (default) in the root
+unit, whose all-gather opens the step and whose reduce-scatter closes it with nothing to hide under; ``"units"``
+FSDP2 units of their own (torchtitan's layout), so only the embedding's and the root's (its norms and AttnRes
+queries) stay at the step's edges and the head's hide under the layers' compute like a sublayer's; ``"vocab"`` the
+head a unit and the table sharded by rows, the tokens sent to them (:mod:`k3lab.parallel.vocab`). At K3's
+163,840-token vocabulary each of the two is 1.17 B parameters. A unit runs once a forward (a unit called twice
+reduce-scatters twice): with an MTP head, which runs both again, ``"units"`` is refused and ``"vocab"`` keeps the
+head in the root; tied weights take ``"root"``. The fused loss reads the head's weight through
 :meth:`k3lab.model.LMHead.cross_entropy`, registered as a forward of the unit so the weight is gathered for it.
 
 Left out of sharding (``ignored_params``):
@@ -35,7 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from k3lab.moe.router import SigmoidRouter
-from k3lab.parallel.vocab import EMBEDDINGS, ShardedEmbedding
+from k3lab.parallel.vocab import ShardedEmbedding
 
 
 def ignored_parameters(model: nn.Module, expert_params: set[nn.Parameter]) -> set[nn.Parameter]:
@@ -50,52 +53,57 @@ def sublayers(model: nn.Module) -> list[nn.Module]:
     return [m for layer in layers for m in (layer.self_attn, getattr(layer, layer.mlp_name))]
 
 
-def edges_apart(cfg) -> bool:
-    """Whether the embedding and the head are FSDP units of their own (see the module docstring): each runs once a
-    forward (no MTP head) and they share no weight."""
-    return cfg.num_nextn_predict_layers == 0 and not cfg.tie_word_embeddings
+EDGES = ("root", "units", "vocab")  # ParallelOptions.edges: where the embedding and the head live (module docstring)
 
 
-def edge_units(model: nn.Module) -> list[nn.Module]:
-    """The embedding and the head where :func:`edges_apart`, else []."""
-    return [model.model.embed_tokens, model.lm_head] if edges_apart(model.config) else []
+def check_edges(cfg, edges: str) -> None:
+    """ValueError naming ``ParallelOptions.edges`` where the model cannot take the layout."""
+    if edges not in EDGES:
+        raise ValueError(f"ParallelOptions.edges={edges!r}: allowed values are {EDGES}")
+    if edges != "root" and cfg.tie_word_embeddings:
+        raise ValueError(f"ParallelOptions.edges={edges!r}: the head shares the embedding's weight "
+                         "(tie_word_embeddings=True); use 'root'")
+    if edges == "units" and cfg.num_nextn_predict_layers:
+        raise ValueError("ParallelOptions.edges='units': the MTP head runs the embedding and the head twice a forward "
+                         "(a unit called twice reduce-scatters twice); use 'root' or 'vocab'")
 
 
-def exposed_calls(cfg, embedding: str = "fsdp") -> int:
+def edge_units(model: nn.Module, edges: str) -> list[nn.Module]:
+    """The embedding and head modules that are FSDP2 units of their own under ``edges`` (module docstring)."""
+    head = [model.lm_head] if getattr(model, "mtp", None) is None else []
+    return {"root": [], "units": [model.model.embed_tokens, model.lm_head], "vocab": head}[edges]
+
+
+def exposed_calls(edges: str) -> int:
     """How many FSDP all-gathers open a step, and reduce-scatters close it, with no compute to hide under: the
-    root's, and the embedding's where it is a unit of its own (:func:`edges_apart`, ``embedding="fsdp"``): nothing
-    runs before its forward or after its backward."""
-    return 1 + (edges_apart(cfg) and embedding == "fsdp")
+    root's, and the embedding's where it is a unit of its own (``edges="units"``): nothing runs before its forward
+    or after its backward."""
+    return 2 if edges == "units" else 1
 
 
 def apply_fsdp(model: nn.Module, mesh, expert_params: set[nn.Parameter], param_dtype: torch.dtype | None = None,
                reshard_after_forward: bool = True, reduce_dtype: torch.dtype | None = None,
-               embedding: str = "fsdp") -> nn.Module:
-    """``fully_shard`` each sublayer, the embedding and head (:func:`edge_units`; kept gathered from forward to
-    backward, as the root), then the root, on the flat 1-D mesh over dp_shard·cp.
+               edges: str = "root") -> nn.Module:
+    """``fully_shard`` each sublayer, the embedding and head where ``edges`` makes them units (:func:`edge_units`;
+    kept gathered from forward to backward, as the root), then the root, on the flat 1-D mesh over dp_shard·cp.
 
     ``param_dtype``: FSDP2 mixed precision (e.g. bf16 compute from the parameters' own fp32 shards); None: the
     parameters' own dtype. ``reduce_dtype``: the dtype gradients are reduce-scattered in (then cast to the
     parameters' dtype); None: float32 with a ``param_dtype``, else the gradients' own. bf16 parameters kept bf16
     (``TrainConfig.moment_dtype="bfloat16"`` / ``master_format="split"``: their masters on the local shards) take
     ``param_dtype=None, reduce_dtype=torch.float32``: the ranks' bf16 partial gradients summed in float32, the sum
-    rounded to bf16 once. ``embedding``: ``"fsdp"`` (a unit as above, or part of the root) or ``"vocab"``: the table
-    sharded by rows on the same mesh and looked up where its rows live (:class:`k3lab.parallel.vocab.ShardedEmbedding`:
-    the tokens travel, not the table; not with tied weights).
+    rounded to bf16 once. ``edges``: where the embedding and the head live (:data:`EDGES`, module docstring;
+    ``"vocab"``: :class:`k3lab.parallel.vocab.ShardedEmbedding` on the same mesh).
     """
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
     if mesh.ndim != 1:
         raise ValueError(f"apply_fsdp: mesh must be 1-D (a 2-D mesh means HSDP), got {mesh.ndim} axes")
-    if embedding not in EMBEDDINGS:
-        raise ValueError(f"apply_fsdp: embedding={embedding!r}: allowed values are {EMBEDDINGS}")
-    if embedding == "vocab" and model.config.tie_word_embeddings:
-        raise ValueError("ParallelOptions.embedding='vocab': the head shares the embedding's weight "
-                         "(tie_word_embeddings=True) and needs all of it; use 'fsdp'")
+    check_edges(model.config, edges)
     ignored = ignored_parameters(model, expert_params)
     if reduce_dtype is None and param_dtype is not None:
         reduce_dtype = torch.float32
-    if embedding == "vocab":
+    if edges == "vocab":
         table = ShardedEmbedding(model.model.embed_tokens, mesh, dtype=param_dtype, grad_dtype=reduce_dtype)
         model.model.embed_tokens = table
         ignored.add(table.weight)
@@ -104,10 +112,9 @@ def apply_fsdp(model: nn.Module, mesh, expert_params: set[nn.Parameter], param_d
     for module in sublayers(model):
         own = {p for p in module.parameters() if p in ignored}
         fully_shard(module, reshard_after_forward=reshard_after_forward, ignored_params=own or None, **kw)
-    for module in edge_units(model):
-        if not isinstance(module, ShardedEmbedding):
-            fully_shard(module, reshard_after_forward=False, **kw)
-    if edge_units(model):
+    for module in edge_units(model, edges):
+        fully_shard(module, reshard_after_forward=False, **kw)
+    if model.lm_head in edge_units(model, edges):
         register_fsdp_forward_method(model.lm_head, "cross_entropy")
     fully_shard(model, reshard_after_forward=False, ignored_params=ignored or None, **kw)
     for module in model.modules():

@@ -40,8 +40,7 @@ from k3lab.model import IGNORE_INDEX, LossShard
 from k3lab.moe.latent import LatentMoE, RoutedExperts
 from k3lab.parallel.context import CP_LAYOUTS
 from k3lab.parallel.dims import DEFAULT_TIMEOUT_S, EP_KINDS, EP_PLANS, ParallelDims, ParallelGroups, check_timeout
-from k3lab.parallel.fsdp import apply_fsdp
-from k3lab.parallel.vocab import EMBEDDINGS
+from k3lab.parallel.fsdp import EDGES, apply_fsdp
 
 
 @dataclass
@@ -70,11 +69,13 @@ class ParallelOptions:
     reshard_after_forward: bool = True  # FSDP2: free a sublayer's gathered weights after its forward and gather them
     # again for its backward; False keeps them until the backward (one all-gather a sublayer a step instead of two,
     # fewer hooks and copies; the gathered weights of every sublayer stay in memory through the step)
-    embedding: str = "fsdp"            # EMBEDDINGS: the embedding table an FSDP2 unit (gathered whole at the step's
-    # start, its gradient reduced whole at its end) | "vocab": sharded by rows, the tokens sent to the rows
-    # (k3lab.parallel.vocab: fewer bytes where ranks·tokens a rank is small against the vocabulary, as at K3's)
+    edges: str = "root"                # EDGES: where the embedding and the head live (k3lab.parallel.fsdp): in the
+    # root unit; "units" of their own (the head's gather and reduction hide under the layers'); "vocab": the head a
+    # unit, the table sharded by rows with the tokens sent to them (k3lab.parallel.vocab; fewer bytes where ranks ·
+    # tokens a rank is small against the vocabulary, as at K3's). "root" by default: the others are predicted faster
+    # at K3's vocabulary (docs/scaling.md, section 4k), not yet measured on a GPU
 
-    CHOICES = {"ep_kind": EP_KINDS, "ep_plan": EP_PLANS, "cp_layout": CP_LAYOUTS, "embedding": EMBEDDINGS}
+    CHOICES = {"ep_kind": EP_KINDS, "ep_plan": EP_PLANS, "cp_layout": CP_LAYOUTS, "edges": EDGES}
 
     def __post_init__(self):
         def need(ok: bool, name: str, rule: str):
@@ -136,7 +137,7 @@ def parallelize(model: nn.Module, groups: ParallelGroups, device: torch.device, 
                 recompute_layers: int | None = None, compile: str = "none", param_dtype: torch.dtype | None = None,
                 reduce_dtype: torch.dtype | None = None,
                 reshard_after_forward: bool = True, shared_overlap: bool = False,
-                ep_chunks: int = 1, embedding: str = "fsdp") -> tuple[nn.Module, set[nn.Parameter]]:
+                ep_chunks: int = 1, edges: str = "root") -> tuple[nn.Module, set[nn.Parameter]]:
     """EP -> CP -> recompute -> compile -> FSDP on ``model`` (in place); returns ``(model, EP expert
     parameters)`` (a meta model's ``to_empty`` replaces those Parameter objects: collect them again after it).
     ``recompute``/``recompute_layers``/``compile`` as in :class:`k3lab.train.TrainConfig`; ``param_dtype``:
@@ -147,7 +148,7 @@ def parallelize(model: nn.Module, groups: ParallelGroups, device: torch.device, 
     its backward (:func:`k3lab.parallel.fsdp.apply_fsdp`; :class:`ParallelOptions`); ``shared_overlap``: with EP on
     CUDA, every LatentMoE's shared expert on one side stream (:attr:`k3lab.moe.latent.LatentMoE.shared_stream`);
     ``ep_chunks``: the device-planned dispatcher's token chunks, their exchanges on one communication stream (CUDA);
-    ``embedding``: the table an FSDP2 unit or sharded by rows (:class:`ParallelOptions`).
+    ``edges``: where the embedding and the head live (:class:`ParallelOptions`).
 
     World size 1 without a process group: the model is only moved (recompute and compile applied)."""
     dims = groups.dims
@@ -184,7 +185,7 @@ def parallelize(model: nn.Module, groups: ParallelGroups, device: torch.device, 
                 m.balancer.all_reduce = functools.partial(dist.all_reduce, group=groups.world)
                 m.balancer.all_gather = functools.partial(_gather, group=groups.world)
         apply_fsdp(model, groups.mesh, experts, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                   reshard_after_forward=reshard_after_forward, embedding=embedding)
+                   reshard_after_forward=reshard_after_forward, edges=edges)
     return model, experts
 
 

@@ -15,7 +15,8 @@ optimizer, the gradient norm, the checkpoint and the materialisation see no diff
 
 Rank r holds rows [lo_r, hi_r) (``torch.chunk``'s split, as FSDP2's). Every rank looks up the same number of tokens
 N (its equal part of the data-parallel batch). A rank moves about 2·R·N·D activations a
-step instead of V·D weights and V·D gradients: fewer where R·N is small against V (:func:`lookup_moves_less`). The
+step instead of V·D weights and V·D gradients: fewer where 2·R·N·(its bytes a value) is below V·(the weights' +
+the gradients' reduction bytes a value), as at K3's vocabulary (``ParallelOptions.edges="vocab"``). The
 forward sum is exact in any dtype (one nonzero term per element); the gradient sums the same terms as one process,
 in another order.
 """
@@ -26,16 +27,6 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from k3lab.parallel.collectives import ProcessGroup, group_rank, group_size
-
-EMBEDDINGS = ("fsdp", "vocab")  # ParallelOptions.embedding: an FSDP2 unit, or sharded by rows and looked up here
-
-
-def lookup_moves_less(vocab: int, tokens_per_rank: int, ranks: int, act_bytes: int, param_bytes: int,
-                      reduce_bytes: int) -> bool:
-    """Whether the lookup's two exchanges (2·R·N activations) move fewer bytes than FSDP2's gather and reduce of the
-    table (V·(param + reduce) bytes a row of D)."""
-    return 2 * ranks * tokens_per_rank * act_bytes < vocab * (param_bytes + reduce_bytes)
-
 
 class _ShardedLookup(torch.autograd.Function):
     @staticmethod
@@ -116,4 +107,4 @@ class ShardedEmbedding(nn.Embedding):
         return f"{self.num_embeddings}, {self.embedding_dim}, sharded by rows over {group_size(self.group)} ranks"
 
 
-__all__ = ["EMBEDDINGS", "ShardedEmbedding", "lookup_moves_less"]
+__all__ = ["ShardedEmbedding"]
