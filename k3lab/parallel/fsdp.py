@@ -23,6 +23,8 @@ Left out of sharding (``ignored_params``):
   sharded copy would be re-gathered from a stale shard and the module's bias would silently stay 0;
 * expert slices under expert parallelism: already split by EP (each rank holds its own experts);
   their gradients are summed over the ranks that hold the same slice (:func:`sum_expert_grads_`).
+* the table of a :class:`~k3lab.parallel.vocab.ShardedEmbedding` (``edges="vocab"``): already sharded by rows, its
+  shard's gradient holds every rank's tokens already, from the lookup's own exchanges.
 
 Gradients: every rank's loss is its share of the *global* loss (divided by the global token count,
 :class:`k3lab.model.LossShard`), so the ranks' gradients must be **summed**, not averaged: the

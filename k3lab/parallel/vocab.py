@@ -14,11 +14,10 @@ optimizer, the gradient norm, the checkpoint and the materialisation see no diff
               ∂L/∂W_r[v] = Σ_{j : ids*[j] = lo_r + v} g*[j]          (index_add, in the reduction dtype)
 
 Rank r holds rows [lo_r, hi_r) (``torch.chunk``'s split, as FSDP2's). Every rank looks up the same number of tokens
-N (its equal part of the data-parallel batch). A rank moves about 2·R·N·D activations a
-step instead of V·D weights and V·D gradients: fewer where 2·R·N·(its bytes a value) is below V·(the weights' +
-the gradients' reduction bytes a value), as at K3's vocabulary (``ParallelOptions.edges="vocab"``). The
-forward sum is exact in any dtype (one nonzero term per element); the gradient sums the same terms as one process,
-in another order.
+N (its equal part of the data-parallel batch). A rank moves about 2·R·N·D activations a step instead of V·D weights
+and V·D gradients: fewer where 2·R·N·(their bytes a value) is below V·(the weights' + the reduction's bytes a value),
+as at K3's vocabulary (``ParallelOptions.edges="vocab"``). The forward sum is exact in any dtype (one nonzero term
+per element); the gradient sums the same terms as one process, in another order.
 """
 from __future__ import annotations
 
@@ -27,6 +26,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from k3lab.parallel.collectives import ProcessGroup, group_rank, group_size
+
 
 class _ShardedLookup(torch.autograd.Function):
     @staticmethod
