@@ -66,29 +66,38 @@ def permute_rows(x: Tensor, order: Tensor, inverse: Tensor) -> Tensor:
     return DispatchRows.apply(x, order, inverse, 1)
 
 
-class _PickCast(torch.autograd.Function):
-    """``low[pick]`` where ``low`` is ``w`` cast to the matmul dtype (the bank's home weights, cast once a forward),
-    with the gradient of ``w.index_select(0, pick).to(low.dtype)``: the picked rows' gradients cast to ``w``'s dtype and
-    index-added into zeros of ``w``'s shape. The same values and the same gradient, bit for bit, without the picked
-    rows' copy in ``w``'s dtype (at K3's widths 118 experts' fp32 weights, 15.6 GB written and read again a forward)."""
+class _CastAndPick(torch.autograd.Function):
+    """``(low, low[pick])`` with ``low = w.to(dtype)``: the bank's home weights, cast once a forward, and the rows this
+    rank may lend picked from them. One gradient for ``w``: the cast's (``∂low`` in ``w``'s dtype), into which the
+    picked rows' gradients are index-added in ``w``'s dtype. The values are those of ``w.to(dtype)`` and
+    ``w.index_select(0, pick).to(dtype)``, and so is the gradient where no row is picked twice with a nonzero gradient
+    (where one is, the same fp32 terms are summed in another order). Spared: the picked rows' copy in ``w``'s dtype,
+    and a second ``w``-sized gradient (at K3's widths 118 experts' fp32 weights and 112 experts' fp32 gradient, 15.6
+    and 14.8 GB each forward and backward)."""
 
     @staticmethod
-    def forward(ctx, w: Tensor, low: Tensor, pick: Tensor) -> Tensor:
+    def forward(ctx, w: Tensor, pick: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        low = w.to(dtype) if w.dtype != dtype else w.view_as(w)                           # [El, …]
         ctx.save_for_backward(pick)
         ctx.shape, ctx.dtype = w.shape, w.dtype
-        return low.index_select(0, pick)                                                  # [P, …] in low's dtype
+        return low, low.index_select(0, pick)                                             # [El, …], [P, …]
 
     @staticmethod
-    def backward(ctx, g: Tensor):
+    def backward(ctx, g_low: Tensor | None, g_picked: Tensor | None):
         (pick,) = ctx.saved_tensors
-        grad = torch.zeros(ctx.shape, dtype=ctx.dtype, device=g.device).index_add_(0, pick, g.to(ctx.dtype))
+        if g_low is None:
+            grad = torch.zeros(ctx.shape, dtype=ctx.dtype, device=pick.device)
+        else:
+            grad = g_low.to(ctx.dtype, copy=True)
+        if g_picked is not None:
+            grad.index_add_(0, pick, g_picked.to(ctx.dtype))
         return grad, None, None
 
 
-def pick_cast(w: Tensor, low: Tensor, pick: Tensor) -> Tensor:
-    """``w.index_select(0, pick).to(low.dtype)`` from ``low`` (``w`` already cast), gradient and all
-    (:class:`_PickCast`)."""
-    return _PickCast.apply(w, low, pick)
+def cast_and_pick(w: Tensor, pick: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """``(w.to(dtype), w.index_select(0, pick).to(dtype))`` as one op with one gradient for ``w``
+    (:class:`_CastAndPick`)."""
+    return _CastAndPick.apply(w, pick, dtype)
 
 
 def exchange_reference(x: Tensor, send: Tensor, recv: Tensor, rows_out: int, group: ProcessGroup | None,
@@ -273,9 +282,10 @@ class StaticMoonEPDispatcher:
         place = bank_order if self._places_rows else None
         x_recv = self._exchange(self._rows(z, send_slots, send_inv, K), splits, 0, 1, M, (c, 0),
                                 place=place)                                              # [M, L] by bank or (s, e, p)
-        dtype = experts.matmul_dtype(z)
-        low = tuple(w.to(dtype) for w in (experts.w1, experts.w3, experts.w2))            # the home weights, cast once
-        replicas = self._replicas(experts, low, rep, splits, (c, 1))                      # [El, 3·I·L]
+        pick = self._lent_rows(rep)                                                       # [El + R − 2]
+        low, picked = zip(*[cast_and_pick(w, pick, experts.matmul_dtype(z))
+                            for w in (experts.w1, experts.w3, experts.w2)])               # the home weights cast once
+        replicas = self._replicas(picked, splits, (c, 1))                                 # [El, 3·I·L]
         return dict(S=S, K=K, M=M, n=n, alloc=alloc, counts=counts, splits=splits, send_slots=send_slots,
                     send_inv=send_inv, x_recv=x_recv, replicas=replicas, low=low, bank_counts=bank_counts,
                     bank_order=bank_order)
@@ -377,24 +387,25 @@ class StaticMoonEPDispatcher:
         if done is not None:
             torch.cuda.current_stream().wait_event(done)
 
-    def _replicas(self, experts: RoutedExperts, low: tuple[Tensor, Tensor, Tensor], rep: Tensor, splits: Tensor,
-                  key: tuple[int, int]) -> Tensor:
-        """This rank's replicas' weights fetched from their donor in ascending global id, zero-padded to El: ``[El,
-        3·I·L]`` rows (w1, w3, w2 flattened; :meth:`_bank_weights` puts them after the home experts). A home rank
-        sends its lent (expert, receiver) pairs receiver-major in a fixed buffer of El + R − 2 rows (padding rows:
-        expert 0, not sent); the backward returns each replica's gradient home, where ``index_select``'s backward
-        adds it into the local parameter's. The rows travel in ``dtype``, the one the expert matmuls read them in
-        (:meth:`~k3lab.moe.latent.RoutedExperts.matmul_dtype`: bf16 under autocast, half the bytes of the fp32
-        parameters, the same values; their gradients come back in it, as the matmuls produce them). ``low``: the home
-        weights already cast to that dtype for the bank; the rows are picked from them (:func:`pick_cast`: the
-        gradient in the parameters' dtype, as before)."""
+    def _lent_rows(self, rep: Tensor) -> Tensor:
+        """Which home experts fill the weight exchange's fixed buffer of ``El + R − 2`` rows (``[El + R − 2]`` local
+        indices): the (expert, receiver) pairs this rank lends, receiver-major, then padding rows (an expert not
+        sent)."""
         R, r, El = self.num_ranks, self.rank, self.num_local
-        own = (experts.w1, experts.w3, experts.w2)                                        # [El, I, L] ×2, [El, L, I]
         lent = rep[r * El:(r + 1) * El].T.reshape(-1)                                     # [R·El] (d, e_local)
         cap_out = min(El + R - 2, R * El)
-        pick = (~lent).to(torch.int8).argsort(stable=True)[:cap_out] % El                 # [cap_out] lent first
-        rows = torch.cat([pick_cast(w, lo, pick).flatten(1) for w, lo in zip(own, low)], 1)  # [cap_out, 3·I·L]
-        return self._exchange(rows, splits, 2, 3, El, key, self.weight_exchange)          # [El, 3·I·L]
+        return (~lent).to(torch.int8).argsort(stable=True)[:cap_out] % El                 # [cap_out] lent first
+
+    def _replicas(self, picked: tuple[Tensor, Tensor, Tensor], splits: Tensor, key: tuple[int, int]) -> Tensor:
+        """This rank's replicas' weights fetched from their donor in ascending global id, zero-padded to El: ``[El,
+        3·I·L]`` rows (w1, w3, w2 flattened; :meth:`_bank_weights` puts them after the home experts). ``picked``: the
+        rows of :meth:`_lent_rows` from each home weight (``[El + R − 2, …]`` ×3, :func:`cast_and_pick`), sent
+        receiver-major (padding rows not sent); the backward returns each replica's gradient home, where it is added
+        into the local parameter's. The rows travel in the dtype the expert matmuls read them in
+        (:meth:`~k3lab.moe.latent.RoutedExperts.matmul_dtype`: bf16 under autocast, half the bytes of the fp32
+        parameters, the same values; their gradients come back in it, as the matmuls produce them)."""
+        rows = torch.cat([p.flatten(1) for p in picked], 1)                               # [El + R − 2, 3·I·L]
+        return self._exchange(rows, splits, 2, 3, self.num_local, key, self.weight_exchange)  # [El, 3·I·L]
 
     def _bank_weights(self, low: tuple[Tensor, Tensor, Tensor], got: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """(w1, w3, w2) of the bank: the El home experts ``low`` (cast to the matmul dtype), then the replica rows
