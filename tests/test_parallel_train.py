@@ -46,8 +46,9 @@ def _biases(model):
 
 
 def _collectives_smoke(rank, world):
-    """The autograd collectives with uneven and zero splits: values and the adjoint (backward) exchanges."""
-    from k3lab.parallel.collectives import all_gather, all_reduce_sum, all_to_all
+    """The autograd collectives with uneven and zero splits: values and the adjoint (backward) exchanges (the
+    reduce-scatter's too: an all-gather)."""
+    from k3lab.parallel.collectives import all_gather, all_reduce_sum, all_to_all, reduce_scatter
 
     x = (torch.arange(3.0) + 10 * rank).requires_grad_()                      # [3] on every rank
     g = all_gather(x)                                                         # [W·3]
@@ -63,6 +64,12 @@ def _collectives_smoke(rank, world):
     assert z[:, 0].tolist() == [float(s) for s in range(world) for _ in range(out_splits[s])]
     (z * (rank + 1)).sum().backward()
     assert y.grad[:, 0].tolist() == [float(s + 1) for s in range(world) for _ in range(splits[s])]
+    v = (torch.arange(2.0 * world) + 100 * rank).requires_grad_()             # [W·2]: block s goes to rank s
+    got = reduce_scatter(v)                                                    # [2] Σ over ranks of block `rank`
+    assert got.tolist() == [float(sum(2 * rank + i + 100 * s for s in range(world))) for i in range(2)]
+    (got * torch.tensor([1.0, 2.0]) * (rank + 1)).sum().backward()
+    # d/dv_r of Σ_s (s+1)·(c · y_s): block s of v_r gets rank s's weights (all-gather)
+    assert v.grad.tolist() == [float((s + 1) * c) for s in range(world) for c in (1.0, 2.0)]
     w = torch.tensor([float(rank)], requires_grad=True)
     total = all_reduce_sum(w)
     total.sum().backward()

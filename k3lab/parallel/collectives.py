@@ -8,6 +8,7 @@ SUM, ``all_to_all_single`` with (uneven, possibly zero) splits, ``all_reduce`` S
 Each is an ``autograd.Function`` whose backward calls the adjoint collective **unconditionally**:
 
     all_gather:   y = [x_0; x_1; …; x_{W-1}]          dx_r = Σ_s (dy_s)_r   (reduce-scatter SUM)
+    reduce_scatter: y_r = Σ_s (x_s)_r                  dx = [dy_0; …; dy_{W-1}]  (all-gather)
     all_to_all:   y = a2a(x, out_splits, in_splits)   dx = a2a(dy, in_splits, out_splits)
     all_reduce:   y = Σ_r x_r                          dx_r = Σ_s dy_s      (all-reduce SUM)
 
@@ -53,6 +54,24 @@ class _AllGather(torch.autograd.Function):
         return dx, None
 
 
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, group: ProcessGroup | None) -> Tensor:
+        ctx.group = group
+        W = group_size(group)
+        y = x.new_empty((x.shape[0] // W, *x.shape[1:]))
+        dist.reduce_scatter_tensor(y, x.contiguous(), op=dist.ReduceOp.SUM, group=group)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        W = group_size(ctx.group)
+        dy = dy.contiguous()
+        dx = dy.new_empty((W * dy.shape[0], *dy.shape[1:]))
+        dist.all_gather_into_tensor(dx, dy, group=ctx.group)
+        return dx, None
+
+
 class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, out_splits: list[int], in_splits: list[int], group: ProcessGroup | None) -> Tensor:
@@ -88,6 +107,13 @@ class _AllReduceSum(torch.autograd.Function):
 def all_gather(x: Tensor, group: ProcessGroup | None = None) -> Tensor:
     """``x [n, …]`` on each of W ranks -> ``[W·n, …]``, rank-major; backward reduce-scatters (SUM)."""
     return _AllGather.apply(x, group)
+
+
+def reduce_scatter(x: Tensor, group: ProcessGroup | None = None) -> Tensor:
+    """``x [W·n, …]`` on each of W ranks -> ``[n, …]``: rank r gets Σ over ranks of block r; backward all-gathers."""
+    if x.shape[0] % group_size(group):
+        raise ValueError(f"reduce_scatter: {x.shape[0]} rows do not split into {group_size(group)} equal blocks")
+    return _ReduceScatter.apply(x, group)
 
 
 def all_to_all(x: Tensor, out_splits: Sequence[int], in_splits: Sequence[int],

@@ -22,49 +22,38 @@ per element); the gradient sums the same terms as one process, in another order.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
-from k3lab.parallel.collectives import ProcessGroup, group_rank, group_size
+from k3lab.parallel.collectives import all_gather, group_rank, group_size, reduce_scatter
 
 
-class _ShardedLookup(torch.autograd.Function):
+class _OwnRows(torch.autograd.Function):
+    """``part[j] = local[rows[j]]`` (in ``dtype``) where ``mine[j]``, else 0: this rank's rows of every rank's
+    tokens. Backward: ``∂local = Σ_j e_{rows[j]} ∂part[j]`` over ``mine``, an ``index_add`` in ``grad_dtype`` (fp32
+    for bf16 weights, rounded once), where autograd's own indexing would sum in the weights' dtype."""
+
     @staticmethod
-    def forward(ctx, local: Tensor, ids: Tensor, lo: int, dtype: torch.dtype, grad_dtype: torch.dtype,
-                group: ProcessGroup) -> Tensor:
-        R, (V_r, D) = group_size(group), local.shape
-        flat = ids.reshape(-1).contiguous()                                         # [N]
-        every = flat.new_empty(R * flat.numel())                                    # [R·N]
-        dist.all_gather_into_tensor(every, flat, group=group)
-        rows = every - lo                                                           # [R·N]
-        mine = (rows >= 0) & (rows < V_r)                                           # [R·N]
-        rows = rows.clamp(0, max(V_r - 1, 0))
-        if V_r:
-            part = torch.where(mine[:, None], local[rows].to(dtype), 0)             # [R·N, D]
-        else:                                                                       # a rank past the last row
-            part = local.new_zeros(R * flat.numel(), D, dtype=dtype)
-        out = part.new_empty(flat.numel(), D)                                       # [N, D]
-        dist.reduce_scatter_tensor(out, part.contiguous(), op=dist.ReduceOp.SUM, group=group)
+    def forward(ctx, local: Tensor, rows: Tensor, mine: Tensor, dtype: torch.dtype, grad_dtype: torch.dtype) -> Tensor:
         ctx.save_for_backward(rows, mine)
-        ctx.shape, ctx.grad_dtype, ctx.group, ctx.local = (V_r, D), grad_dtype, group, (local.dtype, local.device)
-        return out.view(*ids.shape, D)                                              # [B, T, D]
+        ctx.grad_dtype, ctx.local = grad_dtype, (local.shape, local.dtype, local.device)
+        if not local.shape[0]:                                                      # a rank past the last row
+            return local.new_zeros(rows.shape[0], local.shape[1], dtype=dtype)
+        return torch.where(mine[:, None], local[rows].to(dtype), 0)                 # [R·N, D]
 
     @staticmethod
-    def backward(ctx, dh: Tensor):
+    def backward(ctx, g: Tensor):
         rows, mine = ctx.saved_tensors
-        (V_r, D), R = ctx.shape, group_size(ctx.group)
-        g = dh.reshape(-1, D).contiguous()                                          # [N, D]
-        every = g.new_empty(R * g.shape[0], D)                                      # [R·N, D]
-        dist.all_gather_into_tensor(every, g, group=ctx.group)
-        grad = torch.zeros(V_r, D, dtype=ctx.grad_dtype, device=ctx.local[1])       # [V_r, D]
-        if V_r:
-            grad.index_add_(0, rows, torch.where(mine[:, None], every, 0).to(ctx.grad_dtype))
-        return grad.to(ctx.local[0]), None, None, None, None, None
+        shape, dtype, device = ctx.local
+        grad = torch.zeros(shape, dtype=ctx.grad_dtype, device=device)              # [V_r, D]
+        if shape[0]:
+            grad.index_add_(0, rows, torch.where(mine[:, None], g, 0).to(ctx.grad_dtype))
+        return grad.to(dtype), None, None, None, None
 
 
 class ShardedEmbedding(nn.Embedding):
     """An ``nn.Embedding`` (the optimizer's grouping and the state dict see one) whose weight is a ``Shard(0)``
-    DTensor on a 1-D mesh, looked up by :class:`_ShardedLookup` (module docstring). ``dtype``: the lookup's output
+    DTensor on a 1-D mesh, looked up as the module docstring says (:class:`_OwnRows` between the collectives of
+    :mod:`k3lab.parallel.collectives`). ``dtype``: the lookup's output
     dtype (None: the weight's); ``grad_dtype``: the dtype the gradient rows are summed in (None: the weight's)."""
 
     def __init__(self, embedding: nn.Embedding, mesh, dtype: torch.dtype | None = None,
@@ -100,8 +89,12 @@ class ShardedEmbedding(nn.Embedding):
         if local.shape[0] != hi - lo:
             raise RuntimeError(f"ShardedEmbedding: the local shard holds {local.shape[0]} rows, rows [{lo}, {hi}) "
                                "expected (an uneven DTensor layout this lookup does not know)")
-        dtype = self.dtype or local.dtype
-        return _ShardedLookup.apply(local, ids, lo, dtype, self.grad_dtype or local.dtype, self.group)
+        every = all_gather(ids.reshape(-1), self.group)                             # [R·N] every rank's tokens
+        rows = every - lo                                                           # [R·N]
+        mine = (rows >= 0) & (rows < hi - lo)                                       # [R·N] the rows held here
+        part = _OwnRows.apply(local, rows.clamp(0, max(hi - lo - 1, 0)), mine, self.dtype or local.dtype,
+                              self.grad_dtype or local.dtype)                       # [R·N, D]
+        return reduce_scatter(part, self.group).view(*ids.shape, -1)                # [B, T, D]: one term nonzero
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, sharded by rows over {group_size(self.group)} ranks"
