@@ -412,7 +412,7 @@ def run_config(spec: Spec, args) -> dict:
                     + (", shared expert on a side stream" if spec.option("overlap", "false") == "true" else "")
                     + (f", {spec.option('chunks', '1')} chunks" if spec.option("chunks", "1") != "1" else "")
                     + (", rows placed by the dispatcher" if spec.option("placed", "true") == "false" else "")
-                    + (f", edges={spec.option('edges')}" if spec.option("edges", "root") != "root" else ""))
+                    + (f", edges={spec.option('edges', 'root')}" if spec.option("edges", "root") != "root" else ""))
                 del model
                 history, peak, counted = run_via(via, spec, cfg, device, on_step=on_step)
         except TrainingDiverged as err:

@@ -175,6 +175,28 @@ def test_fit_as_a_fake_rank():
         bench.parse_config("tiny-2x32@via=fake-rank,ranks=3")
 
 
+def test_fit_as_a_fake_rank_with_each_edges_layout():
+    """@via=fake-rank,edges=units|vocab: the rank trains with the embedding and head in units of their own, or the
+    table sharded by rows; the row names the layout, and the counted exposed FSDP calls follow it
+    (``exposed_calls``: the root's and the embedding's for ``units``, the root's only for ``vocab``, whose lookup's
+    all-gathers and reduce-scatters are counted as blocking collectives)."""
+    bench = load_bench()
+    args = bench.build_parser().parse_args(["--device", "cpu", "--dtype", "float32", "--steps", "2", "--warmup", "1"])
+    rows = {edges: bench.run_config(bench.parse_config(f"tiny-2x32@via=fake-rank,ranks=2,reshard=false{opt}"), args)
+            for edges, opt in (("root", ""), ("units", ",edges=units"), ("vocab", ",edges=vocab"))}
+    for edges, row in rows.items():
+        assert row["status"] == "ok", (edges, row["status"])
+        assert row["via"] == "fake rank of 2, reshard=false" + ("" if edges == "root" else f", edges={edges}")
+    calls = {edges: len(row["counted"]["fsdp_edges"]) for edges, row in rows.items()}
+    assert calls == {"root": 2, "units": 4, "vocab": 2}, calls
+    fsdp_bytes = {e: sum(r["bytes"] for r in row["counted"]["comm"] if r["source"] == "fsdp") for e, row in rows.items()}
+    assert fsdp_bytes["vocab"] < fsdp_bytes["root"] == fsdp_bytes["units"], fsdp_bytes  # the table leaves FSDP
+    edge_bytes = {e: sum(c["bytes"] for c in row["counted"]["fsdp_edges"]) for e, row in rows.items()}
+    assert edge_bytes["vocab"] < edge_bytes["units"] < edge_bytes["root"], edge_bytes  # nothing left to expose but the root
+    lookup = {r["kind"] for r in rows["vocab"]["counted"]["comm"] if r["source"] == "other" and r["kind"] != "all_reduce"}
+    assert lookup == {"all_gather", "reduce_scatter"}, lookup  # the lookup's exchanges, blocking in the step model
+
+
 def test_fit_as_a_fake_expert_parallel_rank_with_either_plan():
     """@via=fake-rank,ep=2: fit's MoonEP rank (every rank routes like this one), planned on the host or on the device
     (``ParallelOptions.ep_plan``): the same plan over the same weights and batches, so the same losses (fp32, float
