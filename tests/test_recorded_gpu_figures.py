@@ -195,3 +195,35 @@ def test_the_predicted_edge_rows_are_the_arithmetic_on_the_raw_rows():
     assert "**83.3%** with both as FSDP units of their own and **85.2%** with the head a unit" in notebook
     assert "1.88 GB against 7.05 GB (3.75× fewer)" in docs and f"{2 * R * N * D * 2 / 1e9:.2f}" == "1.88"
     assert f"{V * D * 6 / 1e9:.2f}" == "7.05" and f"{V * D * 6 / (2 * R * N * D * 2):.2f}" == "3.75"
+
+
+K3_H100 = ROOT / "kernels" / "results" / "2026-12-07-k3slice-vocab4096-h100.json"
+
+
+def test_the_k3_slice_h100_figures_are_the_raw_rows():
+    """docs/scaling.md section 4l and kernels/TRAIN_RESULTS.md quote the K3 slice at ``vocab=4096`` on one H100
+    (two calls): the baseline's and the rank's times, the share per GPU, the counted all-to-all and the gap in the
+    forward and backward. Recomputed from the raw rows; the full-vocabulary rows are the out-of-memory ones."""
+    raw = json.loads(K3_H100.read_text())
+    assert [r.get("error") for r in raw["full_vocab_oom"]["rows"]] == ["OOM", "OOM"]
+    assert [r.get("error") for r in raw["vocab4096_default_allocator_oom"]["rows"]] == [None, "OOM"]
+    got = {}
+    for call in ("vocab4096", "vocab4096_profiled"):
+        base, rank = raw[call]["rows"]
+        assert base["world"] == 1 and rank["world"] == 8 and "lent=8" in rank["config"] and "vocab=4096" in rank["config"]
+        realistic = rank["predicted"]["nvlink8"]["realistic"]
+        got[call] = dict(base=f"{base['compute_ms']:.1f}", rank=f"{rank['compute_ms']:.1f}",
+                         realistic=f"{realistic:.1f}", share=f"{100 * base['compute_ms'] / realistic:.1f}%",
+                         gap=rank["fwd_bwd_ms"] - base["fwd_bwd_ms"], a2a=sum(c["bytes"] for c in rank["comm"]
+                                                                           if c["kind"] == "all_to_all") / 1e9)
+    first, again = got["vocab4096"], got["vocab4096_profiled"]
+    assert (first["base"], first["rank"], first["realistic"], first["share"]) == ("277.6", "340.4", "353.3", "78.6%")
+    assert (again["base"], again["rank"], again["realistic"], again["share"]) == ("277.5", "339.6", "352.5", "78.7%")
+    assert (round(first["gap"]), round(again["gap"])) == (71, 70) and round(first["a2a"], 2) == 4.82
+    docs = " ".join((ROOT / "docs" / "scaling.md").read_text().split())
+    results = " ".join((ROOT / "kernels" / "TRAIN_RESULTS.md").read_text().split())
+    for text in (docs, results):
+        for figure in ("277.6", "340.4", "353.3", "78.6%", "4.82 GB", "70"):
+            assert figure in text, figure
+    assert "277.5 / 339.6" in docs and "352.5" in docs and "78.7%" in docs and "71 and 70 ms (28%) more" in docs
+    assert "70–71 ms longer than the one GPU's" in results
