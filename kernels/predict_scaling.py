@@ -68,7 +68,9 @@ step; the update stays eager and updates the captured gradients in place; with E
 the other dispatchers read their all-to-all sizes on the host; the one-GPU baseline is graphed too), ``lent=N``
 (``ep_kind=static``: the replica-weight exchanges move N experts' weights each way, :func:`fixed_size_weights`;
 default E/ep, MoonEP's bound, every rank borrowing its most in every layer; what a balanced router lends:
-:func:`k3lab.experiments.moe_simulate.moonep_lending`).
+:func:`k3lab.experiments.moe_simulate.moonep_lending`), ``send=read|bound`` (with ``lent=``: the dispatcher hands that
+exchange the N rows it reads, as a device-initiated exchange reads them in place, or the whole send buffer of MoonEP's
+bound, El + R − 2 rows, as before; default read).
 
 Debugging: ``--raise-errors`` stops at the first failing config (else its row says OOM or the error);
 ``K3LAB_PREDICT_ANOMALY=1`` runs the steps under autograd anomaly mode (a failing backward op names its
@@ -547,16 +549,22 @@ fixed_size_exchange.capturable = True  # no host read: a CUDA graph records it (
 fixed_size_exchange.places_rows = True  # takes and places rows itself (k3lab.parallel.expert_static.Exchange)
 
 
-def fixed_size_weights(lent: int):
+def fixed_size_weights(lent: int, send: str = "read"):
     """:func:`fixed_size_exchange` for MoonEP's replica weights (the dispatcher's ``weight_exchange``) that moves
     ``lent`` weight rows each way instead of the El its buffer holds: the bytes a device-initiated exchange moves when
     a rank borrows ``lent`` experts a MoE layer (it moves what the plan lends, where the stand-in cannot read that
-    without a host read). ``lent`` = El is the bound (every rank borrowing E/R experts in every layer)."""
+    without a host read). ``lent`` = El is the bound (every rank borrowing E/R experts in every layer). ``send``:
+    "read" (it declares ``reads_rows = lent``, so the dispatcher hands it those rows only) or "bound" (it declares
+    nothing and is handed the whole send buffer of El + R − 2 rows, as before 2026-12-07's eighth session)."""
 
     def exchange(x, send, recv, rows_out, group, take=None, place=None):
         return _FixedSizeExchange.apply(x, rows_out, group, take, place, lent)
 
+    # it reads the first `lent` rows only, so the dispatcher hands it no more (k3lab.parallel.expert_static.Exchange's
+    # reads_rows): the rows a device-initiated exchange reads in place, no send buffer at MoonEP's bound
     exchange.capturable, exchange.places_rows = True, True
+    if send == "read":
+        exchange.reads_rows = lent
     return exchange
 
 
@@ -688,7 +696,7 @@ PRESETS = ("tiny", "small", "k3slice")
 OPTIONS = {"optimizer": ("adamw", "sgd"), "recompute": None, "layers": int, "rank": int,
            "ep_kind": ("moonep", "ep", "static"), "baseline": ("world1", "local-experts"), "init": ("device", "meta"),
            "vocab": int, "reshard": ("true", "false"), "graph": ("true", "false"), "lent": int,
-           "edges": ("root", "units", "vocab")}
+           "edges": ("root", "units", "vocab"), "send": ("read", "bound")}
 
 
 @dataclass(frozen=True)
@@ -1053,6 +1061,8 @@ def run_config(spec: Spec, args, *, process_group: str = "fake") -> dict:
         if spec.option("lent") is not None and (ep_kind != "static" or spec.ep == 1):
             raise ValueError(f"config {spec.name!r}: lent= sizes MoonEP's replica-weight exchange: it needs "
                              f"ep_kind=static and ep > 1")
+        if spec.option("send") is not None and spec.option("lent") is None:
+            raise ValueError(f"config {spec.name!r}: send= says what the lent=N exchange is handed: it needs lent=")
         model, experts = parallelize(model, groups, device, ep_kind="moonep" if ep_kind == "static" else ep_kind,
                                      cp_layout="contiguous", recompute=spec.option("recompute", args.recompute),
                                      compile=args.compile, param_dtype=param_dtype if distributed else None,
@@ -1065,7 +1075,7 @@ def run_config(spec: Spec, args, *, process_group: str = "fake") -> dict:
                 raise ValueError(f"config {spec.name!r}: lent={lent}: a rank borrows 0 to E/ep = "
                                  f"{cfg.n_routed_experts // spec.ep} experts")
             apply_static_moonep(model, groups.ep, fixed_size_exchange,
-                                weight_exchange=None if lent is None else fixed_size_weights(lent))
+                                weight_exchange=None if lent is None else fixed_size_weights(lent, spec.option("send", "read")))
         if meta:
             model.to_empty(device=device)
             init_for_timing(model, cfg.initializer_range)

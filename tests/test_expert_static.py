@@ -419,3 +419,68 @@ def test_casting_and_picking_in_one_op_equals_the_two_ops(dtype):
         else:
             torch.testing.assert_close(w.grad, want, rtol=1e-6, atol=1e-6)
         w.grad = None
+
+
+def _reads_rows_worker(rank: int, world: int) -> dict:
+    """One skewed MoE forward and backward (fp32) with the fixed-shape dispatcher, the weight exchange the reference
+    (it reads the first sum(send) rows of its send buffer): once handed the whole buffer (El + R − 2 rows), once
+    through an exchange whose ``reads_rows`` is the number of pairs the first run lent. The rows the weight exchange
+    was handed, the pairs lent, the output and every gradient of each."""
+    import copy
+
+    from k3lab.config import ModelConfig
+    from k3lab.moe.latent import LatentMoE
+    from k3lab.parallel.expert import apply_expert_parallel
+    from k3lab.parallel.expert_static import apply_static_moonep
+
+    E, K, S = 4 * world, 2, 16
+    cfg = ModelConfig.preset("tiny").replace(n_routed_experts=E, num_experts_per_tok=K)
+    torch.manual_seed(0)
+    base = apply_expert_parallel(LatentMoE(cfg).train(), None, "moonep")
+    width = 3 * base.experts.w1.shape[1] * base.experts.w1.shape[2]                     # 3·I·L: a weight row
+    g = torch.Generator().manual_seed(rank)
+    idx = torch.stack([torch.randperm(4, generator=g)[:K] for _ in range(S)])           # [S, K]: home 0's experts
+    z = torch.randn(S, base.experts.w1.shape[2], generator=g)                           # [S, L]
+    w = torch.rand(S, K, generator=g)
+    out, reads = {}, None
+    for kind in ("whole buffer", "reads_rows"):
+        handed = []
+
+        def weights(x, send, recv, rows_out, group, **orders):
+            assert x.shape[-1] == width
+            handed.append(x.shape[0])
+            return exchange_reference(x, send, recv, rows_out, group, **orders)
+
+        weights.host_splits, weights.places_rows = True, True
+        if kind == "reads_rows":
+            weights.reads_rows = reads
+        moe = apply_static_moonep(copy.deepcopy(base), None, exchange_reference, weight_exchange=weights)
+        zz, ww = z.clone().requires_grad_(), w.clone().requires_grad_()
+        y = moe.dispatcher.run(zz, idx, ww, moe.experts)                                 # [S, L]
+        y.sum().backward()
+        alloc = moe.dispatcher.last_alloc                                                # [E, R]
+        home = torch.arange(E)[:, None] // 4 == torch.arange(world)[None]               # [E, R]
+        pairs = (alloc.gt(0) & ~home).view(world, 4, world).sum((1, 2))                 # [R] pairs each home lends
+        reads = int(pairs.max()) if reads is None else reads
+        out[kind] = dict(handed=handed, pairs=pairs.tolist(), y=y.detach(),
+                         grads=[t.grad for t in (zz, ww, moe.experts.w1, moe.experts.w3, moe.experts.w2)])
+    return out
+
+
+def test_an_exchange_that_reads_fewer_rows_is_handed_only_those():
+    """A weight exchange with ``reads_rows`` (``k3lab.parallel.expert_static.Exchange``; ``kernels/
+    predict_scaling.py``'s stand-in moving ``lent`` experts' weights) is handed the first ``reads_rows`` rows of the
+    send buffer, not MoonEP's bound of El + R − 2 (at K3's widths 118 experts' weights copied a forward and their
+    gradient index-added a backward, where a layer lends a few). At 2 gloo ranks, rank 0 lending: with
+    ``reads_rows`` = the pairs lent, the reference exchange (which reads the first sum(send) rows) gives the output and
+    every gradient of the whole buffer, bit for bit."""
+    from k3lab.parallel.spawn import run_ranks
+
+    for rank, res in enumerate(run_ranks(_reads_rows_worker, 2)):
+        whole, fewer = res["whole buffer"], res["reads_rows"]
+        assert whole["pairs"] == fewer["pairs"] and whole["pairs"][0] > 0 and whole["pairs"][1] == 0, whole["pairs"]
+        assert whole["handed"] == [4 + 2 - 2] and fewer["handed"] == [whole["pairs"][0]] < whole["handed"], (
+            whole["handed"], fewer["handed"])
+        assert torch.equal(whole["y"], fewer["y"]), (rank, (whole["y"] - fewer["y"]).abs().max())
+        for name, a, b in zip(("z", "topk_weight", "w1", "w3", "w2"), whole["grads"], fewer["grads"]):
+            assert torch.equal(a, b), (rank, name)

@@ -93,7 +93,8 @@ def fake_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("predict") / "rows.json"
     cmd = [sys.executable, str(SCRIPT), "--device", "cpu", "--dtype", "float32", "--steps", "1", "--warmup", "1",
            "--configs", "tiny-w2-2x32", "tiny-w2-ep2-2x32@init=meta", "tiny-w2-2x32@reshard=false",
-           "tiny-w4-ep4-2x32@ep_kind=static", "tiny-w4-ep4-2x32@ep_kind=static,lent=1", "tiny-w2-2x32@edges=units",
+           "tiny-w4-ep4-2x32@ep_kind=static", "tiny-w4-ep4-2x32@ep_kind=static,lent=1",
+           "tiny-w4-ep4-2x32@ep_kind=static,lent=1,send=bound", "tiny-w2-2x32@edges=units",
            "tiny-w2-2x32@edges=vocab",
            "--json", str(out),
            "--raise-errors"]
@@ -233,6 +234,10 @@ def test_fake_pg_counts_the_fixed_shape_exchange(fake_run):
     one = 3 * w1.shape[1] * w1.shape[2]
     assert lent["finite"] and lent["uncounted_bytes"] == {}
     assert _by_source_kind(lent)[("ep", "all_to_all")] == moe_layers * (4 * rows_bytes + 2 * (one + (-one) % R) * 4)
+    # send=bound: the exchange handed the whole send buffer (El + R − 2 rows) moves the same row, so the same bytes
+    # and the same losses; only the copies into the buffer (and the gradient's index-add) differ
+    bound = rows["tiny-w4-ep4-2x32@ep_kind=static,lent=1,send=bound"]
+    assert _by_source_kind(bound) == _by_source_kind(lent) and bound["losses"] == lent["losses"]
 
 
 def test_host_profile_attributes_time_by_package():
@@ -271,6 +276,8 @@ def test_lent_is_refused_where_it_sizes_nothing():
     args = ps.build_parser().parse_args(["--device", "cpu", "--dtype", "float32", "--steps", "1", "--warmup", "1"])
     with pytest.raises(ValueError, match="lent= sizes MoonEP's replica-weight exchange: it needs ep_kind=static"):
         ps.run_config(ps.parse_config("tiny-w2-ep2-2x32@lent=1"), args, process_group="fake")
+    with pytest.raises(ValueError, match="send= says what the lent=N exchange is handed: it needs lent="):
+        ps.run_config(ps.parse_config("tiny-w4-ep4-2x32@ep_kind=static,send=bound"), args, process_group="fake")
     with pytest.raises(ValueError, match=r"lent=99: a rank borrows 0 to E/ep = \d+ experts"):
         ps.run_config(ps.parse_config("tiny-w2-ep2-2x32@ep_kind=static,lent=99"), args, process_group="fake")
 
@@ -308,18 +315,21 @@ def test_graphed_sharded_step_equals_the_eager_one(tmp_path):
 def test_graphed_static_moonep_rank_equals_its_eager_step(tmp_path):
     """A fake-group FSDP + MoonEP rank (N = 2, EP = 2, fp32) with the fixed-shape dispatcher
     (k3lab.parallel.expert_static; no host read) captures: replayed as a CUDA graph it computes the eager rank's
-    losses step by step; the host-planned dispatcher's graph=true is refused by name."""
+    losses step by step, with the weight exchange handed the whole send buffer or (``lent=1``) only the row it reads;
+    the host-planned dispatcher's graph=true is refused by name."""
     out = tmp_path / "rows.json"
-    eager, graphed = "tiny-w2-ep2-2x64@ep_kind=static,reshard=false", "tiny-w2-ep2-2x64@ep_kind=static,reshard=false,graph=true"
+    pairs = [(f"tiny-w2-ep2-2x64@ep_kind=static,reshard=false{lent}",
+              f"tiny-w2-ep2-2x64@ep_kind=static,reshard=false{lent},graph=true") for lent in ("", ",lent=1")]
     cmd = [sys.executable, str(SCRIPT), "--device", "cuda", "--dtype", "float32", "--steps", "3", "--warmup", "2",
-           "--no-baseline", "--configs", eager, graphed, "--json", str(out), "--raise-errors"]
+           "--no-baseline", "--configs", *[c for pair in pairs for c in pair], "--json", str(out), "--raise-errors"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = {r["config"]: r for r in json.loads(out.read_text())}
-    assert rows[graphed]["graphed"] is True
-    a, b = rows[eager]["losses"], rows[graphed]["losses"]
-    assert len(b) == len(a) + 1 >= 6 and b[-1] < b[0]
-    assert b[:len(a)] == pytest.approx(a, rel=1e-4), (a, b)
+    for eager, graphed in pairs:
+        assert rows[graphed]["graphed"] is True
+        a, b = rows[eager]["losses"], rows[graphed]["losses"]
+        assert len(b) == len(a) + 1 >= 6 and b[-1] < b[0]
+        assert b[:len(a)] == pytest.approx(a, rel=1e-4), (eager, a, b)
     bad = subprocess.run([sys.executable, str(SCRIPT), "--device", "cuda", "--steps", "1", "--warmup", "1", "--no-baseline",
                           "--configs", "tiny-w2-ep2-2x64@graph=true", "--raise-errors"],
                          cwd=ROOT, capture_output=True, text=True, timeout=600)

@@ -56,7 +56,12 @@ from k3lab.parallel.expert import check_divisible, check_home_slice
 # ``got[place order]`` (``got`` the result above). These are the row orders a two-dimensional all-to-all writes as it
 # moves the rows (``torch.ops.symm_mem.all_to_all_vdev_2d`` receives them expert-major, its ``_offset`` form sends
 # them back from expert-major), so the dispatcher leaves its bank-major permutations to such an exchange; for any
-# other exchange it permutes the rows itself, one gather each way and one more in each backward.
+# other exchange it permutes the rows itself, one gather each way and one more in each backward. An exchange whose
+# ``reads_rows`` attribute is an int reads no more than the first ``reads_rows`` rows of ``x`` (and returns zero
+# gradient for no others): as the replica weights' exchange it is handed only those rows. A device-initiated exchange
+# reads the rows it sends where they lie; the send buffer of El + R − 2 rows (MoonEP's bound), which
+# ``exchange_reference`` needs, would otherwise be filled and its gradient added on every step for rows no exchange
+# reads (at K3's widths 118 experts' weights a forward, where a MoE layer lends a few).
 Exchange = Callable[..., Tensor]
 
 
@@ -282,7 +287,7 @@ class StaticMoonEPDispatcher:
         place = bank_order if self._places_rows else None
         x_recv = self._exchange(self._rows(z, send_slots, send_inv, K), splits, 0, 1, M, (c, 0),
                                 place=place)                                              # [M, L] by bank or (s, e, p)
-        pick = self._lent_rows(rep)                                                       # [El + R − 2]
+        pick = self._lent_rows(rep)                                                       # [P ≤ El + R − 2]
         low, picked = zip(*[cast_and_pick(w, pick, experts.matmul_dtype(z))
                             for w in (experts.w1, experts.w3, experts.w2)])               # the home weights cast once
         replicas = self._replicas(picked, splits, (c, 1))                                 # [El, 3·I·L]
@@ -388,23 +393,27 @@ class StaticMoonEPDispatcher:
             torch.cuda.current_stream().wait_event(done)
 
     def _lent_rows(self, rep: Tensor) -> Tensor:
-        """Which home experts fill the weight exchange's fixed buffer of ``El + R − 2`` rows (``[El + R − 2]`` local
-        indices): the (expert, receiver) pairs this rank lends, receiver-major, then padding rows (an expert not
-        sent)."""
+        """Which home experts fill the weight exchange's fixed send buffer (``[P]`` local indices): the (expert,
+        receiver) pairs this rank lends, receiver-major, then padding rows (an expert not sent). ``P = El + R − 2``,
+        the most pairs a home rank lends, or the weight exchange's ``reads_rows`` where it has one and it is fewer
+        (:data:`Exchange`: an exchange that reads no more than its first ``reads_rows`` rows gets no others)."""
         R, r, El = self.num_ranks, self.rank, self.num_local
         lent = rep[r * El:(r + 1) * El].T.reshape(-1)                                     # [R·El] (d, e_local)
         cap_out = min(El + R - 2, R * El)
+        reads = getattr(self.weight_exchange, "reads_rows", None)
+        if reads is not None:
+            cap_out = min(cap_out, int(reads))
         return (~lent).to(torch.int8).argsort(stable=True)[:cap_out] % El                 # [cap_out] lent first
 
     def _replicas(self, picked: tuple[Tensor, Tensor, Tensor], splits: Tensor, key: tuple[int, int]) -> Tensor:
         """This rank's replicas' weights fetched from their donor in ascending global id, zero-padded to El: ``[El,
         3·I·L]`` rows (w1, w3, w2 flattened; :meth:`_bank_weights` puts them after the home experts). ``picked``: the
-        rows of :meth:`_lent_rows` from each home weight (``[El + R − 2, …]`` ×3, :func:`cast_and_pick`), sent
+        rows of :meth:`_lent_rows` from each home weight (``[P, …]`` ×3, :func:`cast_and_pick`), sent
         receiver-major (padding rows not sent); the backward returns each replica's gradient home, where it is added
         into the local parameter's. The rows travel in the dtype the expert matmuls read them in
         (:meth:`~k3lab.moe.latent.RoutedExperts.matmul_dtype`: bf16 under autocast, half the bytes of the fp32
         parameters, the same values; their gradients come back in it, as the matmuls produce them)."""
-        rows = torch.cat([p.flatten(1) for p in picked], 1)                               # [El + R − 2, 3·I·L]
+        rows = torch.cat([p.flatten(1) for p in picked], 1)                               # [P, 3·I·L]
         return self._exchange(rows, splits, 2, 3, self.num_local, key, self.weight_exchange)  # [El, 3·I·L]
 
     def _bank_weights(self, low: tuple[Tensor, Tensor, Tensor], got: Tensor) -> tuple[Tensor, Tensor, Tensor]:
