@@ -484,3 +484,39 @@ def test_an_exchange_that_reads_fewer_rows_is_handed_only_those():
         assert torch.equal(whole["y"], fewer["y"]), (rank, (whole["y"] - fewer["y"]).abs().max())
         for name, a, b in zip(("z", "topk_weight", "w1", "w3", "w2"), whole["grads"], fewer["grads"]):
             assert torch.equal(a, b), (rank, name)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_bank_filled_in_place_equals_the_concatenation(dtype):
+    """The expert bank of each weight, built as the dispatcher builds it (``cast_and_pick`` with ``El`` spare rows,
+    then ``fill_replicas`` writing the exchanged replica rows into them in place), equals ``torch.cat([w.to(dtype),
+    replica rows])`` bit for bit, and so do the gradients of the weights (fp32) and of the replica rows, through
+    the same downstream loss; the picked rows too."""
+    from k3lab.parallel.expert_static import cast_and_pick, fill_replicas
+
+    g = torch.Generator().manual_seed(1)
+    El, shapes = 3, [(2, 4), (2, 4), (4, 2)]                                         # w1, w3 [El, I, L]; w2 [El, L, I]
+    ws = [torch.randn(El, *sh, generator=g, requires_grad=True) for sh in shapes]
+    got = torch.randn(El, sum(a * b for a, b in shapes), generator=g).to(dtype).requires_grad_()  # [El, 3·I·L]
+    pick = torch.tensor([1, 2])
+    probes = [torch.randn(2 * El, *sh, generator=g) for sh in shapes]
+    p_pick = [torch.randn(len(pick), *sh, generator=g) for sh in shapes]
+
+    def loss(banks, picked):
+        return sum((b.float() * p).sum() for b, p in zip(banks, probes)) + sum(
+            (q.float() * p).sum() for q, p in zip(picked, p_pick))
+
+    parts = got.split([a * b for a, b in shapes], 1)
+    want_banks = [torch.cat([w.to(dtype), part.view(El, *w.shape[1:])]) for w, part in zip(ws, parts)]
+    want_picked = [w.index_select(0, pick).to(dtype) for w in ws]
+    loss(want_banks, want_picked).backward()
+    want_grads = [t.grad.clone() for t in (*ws, got)]
+    for t in (*ws, got):
+        t.grad = None
+    banks, picked = zip(*[cast_and_pick(w, pick, dtype, El) for w in ws])
+    banks = fill_replicas(banks, got)
+    for a, b in zip((*banks, *picked), (*want_banks, *want_picked)):
+        assert a.dtype == dtype and torch.equal(a, b)
+    loss(banks, picked).backward()
+    for name, a, b in zip(("w1", "w3", "w2", "replica rows"), (*[w.grad for w in ws], got.grad), want_grads):
+        assert a.dtype == b.dtype and torch.equal(a, b), name

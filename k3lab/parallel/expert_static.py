@@ -72,37 +72,71 @@ def permute_rows(x: Tensor, order: Tensor, inverse: Tensor) -> Tensor:
 
 
 class _CastAndPick(torch.autograd.Function):
-    """``(low, low[pick])`` with ``low = w.to(dtype)``: the bank's home weights, cast once a forward, and the rows this
-    rank may lend picked from them. One gradient for ``w``: the cast's (``∂low`` in ``w``'s dtype), into which the
-    picked rows' gradients are index-added in ``w``'s dtype. The values are those of ``w.to(dtype)`` and
+    """``(bank, low[pick])`` with ``low = w.to(dtype)`` written into the first ``El`` rows of ``bank`` (``[El + spare,
+    …]``; the ``spare`` rows left for :func:`fill_replicas`): the bank's home weights, cast once a forward straight
+    into the bank the expert call reads, and the rows this rank may lend picked from them. One gradient for ``w``: the
+    cast's (``∂bank[:El]`` in ``w``'s dtype; the spare rows' gradient is not ``w``'s), into which the picked rows'
+    gradients are index-added in ``w``'s dtype. The values are those of ``w.to(dtype)`` and
     ``w.index_select(0, pick).to(dtype)``, and so is the gradient where no row is picked twice with a nonzero gradient
     (where one is, the same fp32 terms are summed in another order). Spared: the picked rows' copy in ``w``'s dtype,
-    and a second ``w``-sized gradient (at K3's widths 118 experts' fp32 weights and 112 experts' fp32 gradient, 15.6
-    and 14.8 GB each forward and backward)."""
+    a second ``w``-sized gradient (at K3's widths 118 experts' fp32 weights and 112 experts' fp32 gradient, 15.6 and
+    14.8 GB each forward and backward), and a copy of the cast home weights into the bank."""
 
     @staticmethod
-    def forward(ctx, w: Tensor, pick: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        low = w.to(dtype) if w.dtype != dtype else w.view_as(w)                           # [El, …]
+    def forward(ctx, w: Tensor, pick: Tensor, dtype: torch.dtype, spare: int) -> tuple[Tensor, Tensor]:
+        El = w.shape[0]
+        bank = w.new_empty((El + spare, *w.shape[1:]), dtype=dtype)                       # [El + spare, …]
+        bank[:El].copy_(w)                                                                # the cast, once
         ctx.save_for_backward(pick)
         ctx.shape, ctx.dtype = w.shape, w.dtype
-        return low, low.index_select(0, pick)                                             # [El, …], [P, …]
+        return bank, bank[:El].index_select(0, pick)                                      # [El + spare, …], [P, …]
 
     @staticmethod
-    def backward(ctx, g_low: Tensor | None, g_picked: Tensor | None):
+    def backward(ctx, g_bank: Tensor | None, g_picked: Tensor | None):
         (pick,) = ctx.saved_tensors
-        if g_low is None:
+        El = ctx.shape[0]
+        if g_bank is None:
             grad = torch.zeros(ctx.shape, dtype=ctx.dtype, device=pick.device)
         else:
-            grad = g_low.to(ctx.dtype, copy=True)
+            grad = g_bank[:El].to(ctx.dtype, copy=True)
         if g_picked is not None:
             grad.index_add_(0, pick, g_picked.to(ctx.dtype))
-        return grad, None, None
+        return grad, None, None, None
 
 
-def cast_and_pick(w: Tensor, pick: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """``(w.to(dtype), w.index_select(0, pick).to(dtype))`` as one op with one gradient for ``w``
-    (:class:`_CastAndPick`)."""
-    return _CastAndPick.apply(w, pick, dtype)
+def cast_and_pick(w: Tensor, pick: Tensor, dtype: torch.dtype, spare: int = 0) -> tuple[Tensor, Tensor]:
+    """``(torch.cat([w.to(dtype), <spare rows>]), w.index_select(0, pick).to(dtype))`` as one op with one gradient for
+    ``w`` (:class:`_CastAndPick`); the ``spare`` rows are left unset, for :func:`fill_replicas`."""
+    return _CastAndPick.apply(w, pick, dtype, spare)
+
+
+class _FillReplicas(torch.autograd.Function):
+    """Write the replica rows ``got [El, Σ rows of a weight]`` into the spare rows ``[El:]`` of the banks (in place;
+    each bank ``[El + El, …]``): the expert call then reads one bank a weight, home experts then replicas, with no
+    concatenation (at K3's widths each forward's three concatenations wrote and read 14.8 GB). Backward: each bank's
+    gradient passes on whole (:class:`_CastAndPick` reads its home rows), and ``got``'s is its spare rows'."""
+
+    @staticmethod
+    def forward(ctx, got: Tensor, *banks: Tensor) -> tuple[Tensor, ...]:
+        El = got.shape[0]
+        for bank, part in zip(banks, got.split([b[0].numel() for b in banks], 1)):
+            bank[El:].copy_(part.view(El, *bank.shape[1:]))
+        ctx.mark_dirty(*banks)
+        ctx.rows = El
+        return banks
+
+    @staticmethod
+    def backward(ctx, *g_banks: Tensor):
+        El = ctx.rows
+        g_got = torch.cat([g[El:].flatten(1) for g in g_banks], 1)                       # [El, Σ rows]
+        return (g_got, *g_banks)
+
+
+@torch.compiler.disable  # an in-place autograd Function: eager between the compiled pieces (or captured by a graph)
+def fill_replicas(banks: tuple[Tensor, ...], got: Tensor) -> tuple[Tensor, ...]:
+    """The banks of :func:`cast_and_pick` (``spare = El``) with the replica rows ``got`` written into their spare rows
+    (:class:`_FillReplicas`): ``(w1, w3, w2)`` of the ``2·El`` banks, home experts then replicas."""
+    return _FillReplicas.apply(got, *banks)
 
 
 def exchange_reference(x: Tensor, send: Tensor, recv: Tensor, rows_out: int, group: ProcessGroup | None,
@@ -288,11 +322,11 @@ class StaticMoonEPDispatcher:
         x_recv = self._exchange(self._rows(z, send_slots, send_inv, K), splits, 0, 1, M, (c, 0),
                                 place=place)                                              # [M, L] by bank or (s, e, p)
         pick = self._lent_rows(rep)                                                       # [P ≤ El + R − 2]
-        low, picked = zip(*[cast_and_pick(w, pick, experts.matmul_dtype(z))
-                            for w in (experts.w1, experts.w3, experts.w2)])               # the home weights cast once
+        banks, picked = zip(*[cast_and_pick(w, pick, experts.matmul_dtype(z), El)
+                              for w in (experts.w1, experts.w3, experts.w2)])             # the home weights cast once
         replicas = self._replicas(picked, splits, (c, 1))                                 # [El, 3·I·L]
         return dict(S=S, K=K, M=M, n=n, alloc=alloc, counts=counts, splits=splits, send_slots=send_slots,
-                    send_inv=send_inv, x_recv=x_recv, replicas=replicas, low=low, bank_counts=bank_counts,
+                    send_inv=send_inv, x_recv=x_recv, replicas=replicas, banks=banks, bank_counts=bank_counts,
                     bank_order=bank_order)
 
     def _banks(self, n: Tensor, rep: Tensor, home: Tensor, M: int) -> tuple[Tensor, tuple[Tensor, Tensor]]:
@@ -323,7 +357,7 @@ class StaticMoonEPDispatcher:
         M = f["M"]
         self._wait((c, 0))
         self._wait((c, 1))
-        weights = self._bank_weights(f["low"], f["replicas"])                             # [2·El, …] ×3
+        weights = fill_replicas(f["banks"], f["replicas"])                                 # [2·El, …] ×3
         perm, perm_inv = f["bank_order"]
         if self._places_rows:  # the exchange placed them bank-major and takes them back from that order
             y = experts(f["x_recv"], f["bank_counts"], weights)                           # [M, L] by bank
@@ -407,7 +441,7 @@ class StaticMoonEPDispatcher:
 
     def _replicas(self, picked: tuple[Tensor, Tensor, Tensor], splits: Tensor, key: tuple[int, int]) -> Tensor:
         """This rank's replicas' weights fetched from their donor in ascending global id, zero-padded to El: ``[El,
-        3·I·L]`` rows (w1, w3, w2 flattened; :meth:`_bank_weights` puts them after the home experts). ``picked``: the
+        3·I·L]`` rows (w1, w3, w2 flattened; :func:`fill_replicas` puts them after the home experts). ``picked``: the
         rows of :meth:`_lent_rows` from each home weight (``[P, …]`` ×3, :func:`cast_and_pick`), sent
         receiver-major (padding rows not sent); the backward returns each replica's gradient home, where it is added
         into the local parameter's. The rows travel in the dtype the expert matmuls read them in
@@ -416,11 +450,6 @@ class StaticMoonEPDispatcher:
         rows = torch.cat([p.flatten(1) for p in picked], 1)                               # [P, 3·I·L]
         return self._exchange(rows, splits, 2, 3, self.num_local, key, self.weight_exchange)  # [El, 3·I·L]
 
-    def _bank_weights(self, low: tuple[Tensor, Tensor, Tensor], got: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """(w1, w3, w2) of the bank: the El home experts ``low`` (cast to the matmul dtype), then the replica rows
-        ``got`` of :meth:`_replicas` (once their exchange has been waited for)."""
-        parts = got.split([w[0].numel() for w in low], 1)
-        return tuple(torch.cat([w, p.view(self.num_local, *w.shape[1:])]) for w, p in zip(low, parts))
 
 
 def apply_static_moonep(model_or_moe: nn.Module, ep_group: ProcessGroup | None,
