@@ -317,18 +317,13 @@ def test_default_exchange_is_the_reference_outside_its_block():
         dist.destroy_process_group()
 
 
-def _replica_dtypes_worker(rank: int, world: int) -> dict:
-    """One skewed MoE forward and backward under CPU autocast (bf16), twice for each dispatcher (the fixed-shape one
-    and the host-planned one): the replica weights crossing as the matmuls read them (bf16), and as fp32
-    (``matmul_dtype`` pinned to the parameters' dtype, the earlier form). The dtypes the weight exchange saw, the
-    replicas lent, the output and every gradient of each."""
-    import copy
-
+def _home_zero_routing(rank: int, world: int):
+    """A MoonEP-laid-out MoE of 4 experts a rank (tiny preset, top-2, seed 0) and this rank's 16 tokens, every one
+    routed to home rank 0's experts (so rank 0 lends): ``(E, moe, width, idx [S, K], z [S, L], topk_weight [S, K])``,
+    ``width`` = 3·I·L, the length of a replica weight row."""
     from k3lab.config import ModelConfig
     from k3lab.moe.latent import LatentMoE
-    import k3lab.parallel.expert as expert_module
     from k3lab.parallel.expert import apply_expert_parallel
-    from k3lab.parallel.expert_static import apply_static_moonep
 
     E, K, S = 4 * world, 2, 16
     cfg = ModelConfig.preset("tiny").replace(n_routed_experts=E, num_experts_per_tok=K)
@@ -338,7 +333,20 @@ def _replica_dtypes_worker(rank: int, world: int) -> dict:
     g = torch.Generator().manual_seed(rank)
     idx = torch.stack([torch.randperm(4, generator=g)[:K] for _ in range(S)])           # [S, K]: home 0's experts
     z = torch.randn(S, base.experts.w1.shape[2], generator=g)                           # [S, L]
-    w = torch.rand(S, K, generator=g)
+    return E, base, width, idx, z, torch.rand(S, K, generator=g)
+
+
+def _replica_dtypes_worker(rank: int, world: int) -> dict:
+    """One skewed MoE forward and backward under CPU autocast (bf16), twice for each dispatcher (the fixed-shape one
+    and the host-planned one): the replica weights crossing as the matmuls read them (bf16), and as fp32
+    (``matmul_dtype`` pinned to the parameters' dtype, the earlier form). The dtypes the weight exchange saw, the
+    replicas lent, the output and every gradient of each."""
+    import copy
+
+    import k3lab.parallel.expert as expert_module
+    from k3lab.parallel.expert_static import apply_static_moonep
+
+    E, base, width, idx, z, w = _home_zero_routing(rank, world)
     out = {}
     for travel in ("matmul dtype", "fp32", "host plan, matmul dtype", "host plan, fp32"):
         seen = []
@@ -428,20 +436,9 @@ def _reads_rows_worker(rank: int, world: int) -> dict:
     was handed, the pairs lent, the output and every gradient of each."""
     import copy
 
-    from k3lab.config import ModelConfig
-    from k3lab.moe.latent import LatentMoE
-    from k3lab.parallel.expert import apply_expert_parallel
     from k3lab.parallel.expert_static import apply_static_moonep
 
-    E, K, S = 4 * world, 2, 16
-    cfg = ModelConfig.preset("tiny").replace(n_routed_experts=E, num_experts_per_tok=K)
-    torch.manual_seed(0)
-    base = apply_expert_parallel(LatentMoE(cfg).train(), None, "moonep")
-    width = 3 * base.experts.w1.shape[1] * base.experts.w1.shape[2]                     # 3·I·L: a weight row
-    g = torch.Generator().manual_seed(rank)
-    idx = torch.stack([torch.randperm(4, generator=g)[:K] for _ in range(S)])           # [S, K]: home 0's experts
-    z = torch.randn(S, base.experts.w1.shape[2], generator=g)                           # [S, L]
-    w = torch.rand(S, K, generator=g)
+    E, base, width, idx, z, w = _home_zero_routing(rank, world)
     out, reads = {}, None
     for kind in ("whole buffer", "reads_rows"):
         handed = []
