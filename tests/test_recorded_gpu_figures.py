@@ -227,3 +227,7 @@ def test_the_k3_slice_h100_figures_are_the_raw_rows():
             assert figure in text, figure
     assert "277.5 / 339.6" in docs and "352.5" in docs and "78.7%" in docs and "71 and 70 ms (28%) more" in docs
     assert "70–71 ms longer than the one GPU's" in results
+    notebook = " ".join("".join(json.loads((ROOT / "notebooks" / "12_scaling_up.ipynb").read_text())["cells"][12]
+                                ["source"]).split())
+    assert f"measured **{first['share']}** of its one-GPU step per GPU" in notebook
+    assert "forward and backward 70–71 ms longer than the one GPU's" in notebook
