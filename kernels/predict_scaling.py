@@ -560,11 +560,9 @@ def fixed_size_weights(lent: int, send: str = "read"):
     def exchange(x, send, recv, rows_out, group, take=None, place=None):
         return _FixedSizeExchange.apply(x, rows_out, group, take, place, lent)
 
-    # it reads the first `lent` rows only, so the dispatcher hands it no more (k3lab.parallel.expert_static.Exchange's
-    # reads_rows): the rows a device-initiated exchange reads in place, no send buffer at MoonEP's bound
     exchange.capturable, exchange.places_rows = True, True
-    if send == "read":
-        exchange.reads_rows = lent
+    if send == "read":  # it reads the first `lent` rows only, so the dispatcher hands it no more (Exchange's
+        exchange.reads_rows = lent  # reads_rows): the rows a device-initiated exchange reads in place
     return exchange
 
 
@@ -1074,8 +1072,8 @@ def run_config(spec: Spec, args, *, process_group: str = "fake") -> dict:
             if lent is not None and not 0 <= lent <= cfg.n_routed_experts // spec.ep:
                 raise ValueError(f"config {spec.name!r}: lent={lent}: a rank borrows 0 to E/ep = "
                                  f"{cfg.n_routed_experts // spec.ep} experts")
-            apply_static_moonep(model, groups.ep, fixed_size_exchange,
-                                weight_exchange=None if lent is None else fixed_size_weights(lent, spec.option("send", "read")))
+            weights = None if lent is None else fixed_size_weights(lent, spec.option("send", "read"))
+            apply_static_moonep(model, groups.ep, fixed_size_exchange, weight_exchange=weights)
         if meta:
             model.to_empty(device=device)
             init_for_timing(model, cfg.initializer_range)

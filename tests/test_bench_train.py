@@ -189,11 +189,13 @@ def test_fit_as_a_fake_rank_with_each_edges_layout():
         assert row["via"] == "fake rank of 2, reshard=false" + ("" if edges == "root" else f", edges={edges}")
     calls = {edges: len(row["counted"]["fsdp_edges"]) for edges, row in rows.items()}
     assert calls == {"root": 2, "units": 4, "vocab": 2}, calls
-    fsdp_bytes = {e: sum(r["bytes"] for r in row["counted"]["comm"] if r["source"] == "fsdp") for e, row in rows.items()}
+    fsdp_bytes = {e: sum(r["bytes"] for r in row["counted"]["comm"] if r["source"] == "fsdp")
+                  for e, row in rows.items()}
     assert fsdp_bytes["vocab"] < fsdp_bytes["root"] == fsdp_bytes["units"], fsdp_bytes  # the table leaves FSDP
     edge_bytes = {e: sum(c["bytes"] for c in row["counted"]["fsdp_edges"]) for e, row in rows.items()}
-    assert edge_bytes["vocab"] < edge_bytes["units"] < edge_bytes["root"], edge_bytes  # nothing left to expose but the root
-    lookup = {r["kind"] for r in rows["vocab"]["counted"]["comm"] if r["source"] == "other" and r["kind"] != "all_reduce"}
+    assert edge_bytes["vocab"] < edge_bytes["units"] < edge_bytes["root"], edge_bytes  # vocab: the root's alone
+    lookup = {r["kind"] for r in rows["vocab"]["counted"]["comm"]
+              if r["source"] == "other" and r["kind"] != "all_reduce"}
     assert lookup == {"all_gather", "reduce_scatter"}, lookup  # the lookup's exchanges, blocking in the step model
 
 

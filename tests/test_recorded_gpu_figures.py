@@ -210,7 +210,8 @@ def test_the_k3_slice_h100_figures_are_the_raw_rows():
     got = {}
     for call in ("vocab4096", "vocab4096_profiled"):
         base, rank = raw[call]["rows"]
-        assert base["world"] == 1 and rank["world"] == 8 and "lent=8" in rank["config"] and "vocab=4096" in rank["config"]
+        assert base["world"] == 1 and rank["world"] == 8
+        assert "lent=8" in rank["config"] and "vocab=4096" in rank["config"]
         realistic = rank["predicted"]["nvlink8"]["realistic"]
         got[call] = dict(base=f"{base['compute_ms']:.1f}", rank=f"{rank['compute_ms']:.1f}",
                          realistic=f"{realistic:.1f}", share=f"{100 * base['compute_ms'] / realistic:.1f}%",

@@ -57,8 +57,8 @@ from k3lab.parallel.expert import check_divisible, check_home_slice
 # moves the rows (``torch.ops.symm_mem.all_to_all_vdev_2d`` receives them expert-major, its ``_offset`` form sends
 # them back from expert-major), so the dispatcher leaves its bank-major permutations to such an exchange; for any
 # other exchange it permutes the rows itself, one gather each way and one more in each backward. An exchange whose
-# ``reads_rows`` attribute is an int reads no more than the first ``reads_rows`` rows of ``x`` (and returns zero
-# gradient for no others): as the replica weights' exchange it is handed only those rows. A device-initiated exchange
+# ``reads_rows`` attribute is an int reads no more than the first ``reads_rows`` rows of ``x`` (the rows after them
+# would get a zero gradient): as the replica weights' exchange it is handed only those rows. A device-initiated exchange
 # reads the rows it sends where they lie; the send buffer of El + R − 2 rows (MoonEP's bound), which
 # ``exchange_reference`` needs, would otherwise be filled and its gradient added on every step for rows no exchange
 # reads (at K3's widths 118 experts' weights a forward, where a MoE layer lends a few).
