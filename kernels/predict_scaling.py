@@ -48,6 +48,12 @@ config's tokens per compute second / the baseline's (= baseline ms / compute ms 
 ms" = the optimizer step and after-step work (the rest of "compute ms" is forward + backward + grad norm);
 "scaling eff" = predicted tokens/s per GPU / baseline tokens/s.
 
+**The fake group's writes** ("fake writes ms"): the fake group (or this script's fill) writes each collective's
+output on the compute stream, so the measured compute holds copies that a real run's NCCL kernels make on their own
+stream, inside the collective times the model adds. The counting step records the bytes each call writes; they are
+copied again on their own after the timed steps (:func:`emulation_seconds`, device time), and the predictions take
+compute − that time as the rank's compute. "compute ms" and "compute vs 1 GPU" stay as measured.
+
 A config name is ``PRESET-wN[-epE][-cpC]-BxT[@key=value,...]``: preset ``tiny`` / ``small`` / ``k3slice``
 (the K3 widths, ``layers`` layers: K3's dense KDA layer 1, MoE layers after it, Gated MLA last), N ranks, B
 rows per data-parallel rank, T tokens per sequence (global; a CP rank holds T/C). Options:
@@ -266,6 +272,55 @@ def _size_of(kind: str, out, inp) -> int:
     return _nbytes(inp if inp is not None else out)
 
 
+def _written(kind: str, out, inp, filled: bool) -> int:
+    """Bytes a fake-group call writes on this device: its output, written by the fake group itself (all-gather,
+    reduce-scatter and all-to-all where it does so) or by :func:`_fill`; nothing for an all-reduce or broadcast
+    (in place), or for a scatter with nothing to copy. A real group's NCCL kernels write these bytes on their own
+    stream, inside the collective time the model adds (:func:`emulation_seconds`)."""
+    if kind in ("all_reduce", "broadcast") or (kind == "scatter" and inp is None):
+        return 0
+    if kind == "scatter" and not filled:
+        return 0
+    return _nbytes(out)
+
+
+def emulation_seconds(sizes: list[int], device: torch.device, repeats: int = 3, chunk: int = 1 << 28) -> float:
+    """Device seconds of one contiguous copy of each of ``sizes`` bytes in turn, the median of ``repeats``: what the
+    fake group's outputs cost the measured step (:func:`_written`), which a real group's collectives write on their
+    own stream instead. Buffers of at most ``chunk`` bytes (a larger size is copied chunk by chunk, as bandwidth-bound
+    copies add up). On CUDA the device first sleeps while the host queues the copies, so the events time the copies
+    alone, not the host's launches."""
+    sizes = [int(s) for s in sizes if s > 0]
+    if not sizes:
+        return 0.0
+    room = min(max(sizes), chunk)
+    src = torch.ones(room, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+
+    def copies() -> None:
+        for size in sizes:
+            for start in range(0, size, room):
+                k = min(room, size - start)
+                dst[:k].copy_(src[:k])
+
+    copies()  # warm
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(200_000_000)  # ~0.1 s of device time: the queue stays ahead of the GPU
+            begin.record()
+            copies()
+            end.record()
+            end.synchronize()
+            times.append(begin.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            copies()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 @torch.no_grad()
 def _fill(kind: str, out, inp, n: int, r: int) -> None:
     """Plausible outputs where the fake group leaves them untouched (see the module docstring)."""
@@ -334,6 +389,7 @@ class CommCounter:
         self.counting = False
         self.records: dict = defaultdict(lambda: [0, 0])  # (source, kind, n) -> [bytes, calls]
         self.fsdp_calls: list[tuple[str, int, int]] = []   # FSDP (kind, n, bytes) in call order
+        self.writes: list[tuple[str, int]] = []   # (kind, bytes) the fake group or a fill writes, in call order
         self._saved: list = []
 
     def install(self) -> "CommCounter":
@@ -368,6 +424,7 @@ class CommCounter:
         self.records.clear()
         self.fsdp_calls.clear()
         self.substituted.clear()
+        self.writes.clear()
 
     def fake_all_to_all_single(self, orig, a: dict):
         """torch >= 2.13's fake group copies an all-to-all's input rows into its output and refuses an empty
@@ -406,6 +463,8 @@ class CommCounter:
         if not self.counting:
             return
         size = _size_of(kind, out, inp)
+        if self.fake and (written := _written(kind, out, inp, filled=bool(self.fill.get(kind)))):
+            self.writes.append((kind, written))
         source = self._source(group)
         rec = self.records[(source, kind, n)]
         rec[0] += size
@@ -1217,6 +1276,10 @@ def run_config(spec: Spec, args, *, process_group: str = "fake") -> dict:
                    update_ms=1e3 * statistics.median(t - f for t, f in zip(times, fwd_bwd)),
                    peak_gib=_peak_gib(device), first_steps_s=first_steps_s, losses=losses,
                    finite=all(math.isfinite(v) for v in losses), **counted)
+        if counter.writes:  # the fake group's outputs, written on the compute stream: timed on their own
+            row["emulation_writes"] = {k: sum(b for kind, b in counter.writes if kind == k)
+                                       for k in sorted({kind for kind, _ in counter.writes})}
+            row["emulation_ms"] = 1e3 * emulation_seconds([b for _, b in counter.writes], device)
         if process_group == "real" and device.type == "cuda":
             p = torch.tensor([row["peak_gib"]], device=device)
             dist.all_reduce(p, op=dist.ReduceOp.MAX)
@@ -1232,7 +1295,8 @@ def add_predictions(row: dict, baseline: dict | None, link: Link) -> dict:
     GPU, the baseline's compute, scaling efficiency and compute vs one GPU."""
     if "compute_ms" not in row:
         return row
-    compute_s = row["compute_ms"] / 1e3
+    # the rank's step with every collective free: less the fake group's own writes (run_config, emulation_seconds)
+    compute_s = (row["compute_ms"] - row.get("emulation_ms", 0.0)) / 1e3
     comm, edges = row.get("comm", []), row.get("fsdp_edges", [])
     row["predicted"] = {name: {k: 1e3 * v for k, v in predict_step(compute_s, comm, lk, edges).items()}
                         for name, lk in LINKS.items()}
@@ -1266,8 +1330,8 @@ def _fmt(v, spec: str = ".1f") -> str:
 
 def markdown_table(rows: list[dict], link: Link) -> str:
     """The results table (one line per config; comm bytes are per step, nccl-tests sizes)."""
-    head = ("| config | N | tokens/rank | compute ms | update ms | 1-GPU ms | compute vs 1 GPU | peak GiB "
-            "| AG | RS | A2A | AR "
+    head = ("| config | N | tokens/rank | compute ms | fake writes ms | update ms | 1-GPU ms | compute vs 1 GPU "
+            "| peak GiB | AG | RS | A2A | AR "
             "| comm ms | no-overlap ms | overlap ms | FSDP-realistic ms | tok/s/GPU | scaling eff |")
     lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
     for r in rows:
@@ -1281,7 +1345,8 @@ def markdown_table(rows: list[dict], link: Link) -> str:
         measured = r.get("process_group") == "real"
         lines.append(
             f"| {r['config']}{' (measured)' if measured else ''} | {r['world']} | {r['tokens_per_rank']} "
-            f"| {r['compute_ms']:.1f} | {_fmt(r.get('update_ms'))} | {_fmt(r.get('baseline_ms'))} "
+            f"| {r['compute_ms']:.1f} | {_fmt(r.get('emulation_ms'))} | {_fmt(r.get('update_ms'))} "
+            f"| {_fmt(r.get('baseline_ms'))} "
             f"| {_fmt(r.get('compute_vs_one_gpu'), '.0%')} | {_fmt(r.get('peak_gib'))} "
             f"| {_fmt_bytes(by_kind['all_gather'])} | {_fmt_bytes(by_kind['reduce_scatter'])} "
             f"| {_fmt_bytes(by_kind['all_to_all'])} | {_fmt_bytes(by_kind['all_reduce'] + by_kind['broadcast'])} "

@@ -173,6 +173,34 @@ def test_fake_pg_counts_fsdp_bytes(fake_run):
     assert got[("fsdp", "reduce_scatter")] == pytest.approx(sub + root, rel=0.03)
 
 
+def test_the_fake_groups_writes_are_counted_and_taken_out_of_the_rank_compute(fake_run):
+    """The fake group writes each collective's output on the compute stream (a real group's NCCL kernels write it on
+    their own): the counting step records those bytes, an all-gather's whole output and a reduce-scatter's one chunk of
+    its input, none for an all-reduce; they are timed on their own (``emulation_ms``), and the prediction's compute is
+    the measured compute less that time."""
+    ps = load_script()
+    rows, stdout = fake_run
+    for name in ("tiny-w2-2x32", "tiny-w2-ep2-2x32@init=meta"):
+        row = rows[name]
+        by_kind = {}
+        for c in row["comm"]:
+            by_kind[c["kind"]] = by_kind.get(c["kind"], 0) + c["bytes"]
+        writes = row["emulation_writes"]
+        assert writes["all_gather"] == by_kind["all_gather"]            # nccl-tests size: the gathered output
+        assert writes["reduce_scatter"] == by_kind["reduce_scatter"] / 2  # the input, of which this rank gets 1/2
+        assert "all_reduce" not in writes and by_kind["all_reduce"] > 0   # in place: the fake group writes nothing
+        assert writes.get("all_to_all", 0) == by_kind.get("all_to_all", 0)  # equal splits: the buffers match
+        assert 0 < row["emulation_ms"] < row["compute_ms"]
+        link = ps.LINKS["nvlink8"]
+        alone = ps.predict_step((row["compute_ms"] - row["emulation_ms"]) / 1e3, row["comm"], link, row["fsdp_edges"])
+        assert row["predicted"]["nvlink8"]["realistic"] == pytest.approx(1e3 * alone["realistic"], rel=1e-12)
+        gross = ps.predict_step(row["compute_ms"] / 1e3, row["comm"], link, row["fsdp_edges"])
+        assert gross["realistic"] > alone["realistic"]
+        assert f"| {name} | 2 | 64 | {row['compute_ms']:.1f} | {row['emulation_ms']:.1f} |" in stdout
+    assert "emulation_ms" not in rows["tiny-w1-2x32"]  # one GPU: no collective, nothing to take out
+    assert ps.emulation_seconds([], __import__("torch").device("cpu")) == 0.0
+
+
 def test_the_sharded_lookup_moves_tokens_not_the_table(fake_run):
     """edges=vocab: FSDP2 moves the table no more (its all-gathers and reduce-scatters are the other rows'
     less one table each), and the lookup's exchanges, blocking, carry R·N token ids and R·N rows of D each way;
