@@ -514,6 +514,10 @@ def fit_as_fake_rank(spec: Spec, cfg, train_cfg, device, on_step=None) -> tuple[
     with ps.fake_rank(ranks, 0, device) as counter, exchange:
         history = fit(lambda: K3ForCausalLM(cfg), batches_for("random", cfg, ranks * spec.B, spec.T, 0), train_cfg,
                       parallel=parallel, on_step=count_step_two).history
+    # the fake group's writes of the counted step, timed on their own per kind (predict_scaling's emulation_seconds)
+    kinds = sorted({kind for kind, _ in counter.writes})
+    counted["fake_writes_ms"] = {k: 1e3 * ps.emulation_seconds([b for kind, b in counter.writes if kind == k], device)
+                                 for k in kinds}
     return history, counted
 
 
@@ -524,13 +528,16 @@ def predicted_step(compute_ms: float, counted: dict, link: str = LINK, in_comput
     """``kernels/predict_scaling.py``'s step model for a fake rank: its measured ms and the bytes its collectives moved
     in one counted step -> ``{comm_ms, predicted_ms}`` (predicted: FSDP-realistic, the EP all-to-alls and small
     all-reduces blocking) under ``link``. ``in_compute``: kinds whose time the measured ms already holds (the
-    emulated exchange's all-to-alls, :func:`emulates_exchange`): left out of the sum, their ms reported apart."""
+    emulated exchange's all-to-alls, :func:`emulates_exchange`): left out of the sum, their ms reported apart. The
+    fake group's writes of the other kinds (``counted["fake_writes_ms"]``) are taken out of the compute, as
+    ``predict_scaling.add_predictions`` does; those of ``in_compute`` kinds stay inside their emulated time."""
     ps = sys.modules.get("predict_scaling") or load_script_here("predict_scaling.py")
     comm = [r for r in counted.get("comm", []) if r["kind"] not in in_compute]
-    pred = ps.predict_step(compute_ms / 1e3, comm, ps.LINKS[link], counted.get("fsdp_edges", []))
+    writes = sum(ms for kind, ms in counted.get("fake_writes_ms", {}).items() if kind not in in_compute)
+    pred = ps.predict_step((compute_ms - writes) / 1e3, comm, ps.LINKS[link], counted.get("fsdp_edges", []))
     inside = sum(ps.collective_seconds(r["kind"], r["bytes"], r["n"], r["calls"], ps.LINKS[link])
                  for r in counted.get("comm", []) if r["kind"] in in_compute)
-    return dict(comm_ms=1e3 * pred["comm"], predicted_ms=1e3 * pred["realistic"], link=link,
+    return dict(comm_ms=1e3 * pred["comm"], predicted_ms=1e3 * pred["realistic"], link=link, fake_writes_ms=writes,
                 **({"in_compute_ms": 1e3 * inside} if in_compute else {}))
 
 

@@ -498,3 +498,9 @@ def test_a_rank_with_the_emulated_exchange_adds_the_other_collectives_only():
     assert inside["predicted_ms"] == pytest.approx(1e3 * alone["realistic"])
     assert inside["in_compute_ms"] == pytest.approx(1e3 * ps.collective_seconds("all_to_all", 8e9, 8, 90, link))
     assert blocking["predicted_ms"] == pytest.approx(inside["predicted_ms"] + inside["in_compute_ms"])
+    # the fake group's writes leave the compute, except those inside the emulated all-to-alls' own time
+    counted["fake_writes_ms"] = {"all_gather": 3.0, "all_to_all": 5.0}
+    less = bench.predicted_step(200.0, counted, in_compute=("all_to_all",))
+    assert less["fake_writes_ms"] == 3.0
+    assert less["predicted_ms"] == pytest.approx(1e3 * ps.predict_step(0.197, rest, link, edges)["realistic"])
+    assert bench.predicted_step(200.0, counted)["predicted_ms"] == pytest.approx(blocking["predicted_ms"] - 8.0)
