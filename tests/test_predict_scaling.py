@@ -367,14 +367,15 @@ def test_graphed_static_moonep_rank_equals_its_eager_step(tmp_path):
 @pytest.mark.gpu
 def test_the_fake_writes_are_timed_without_the_hosts_launches():
     """``emulation_seconds`` times the copies alone: it equals the same copies captured in a CUDA graph and replayed
-    (no host between them) within 15%, for a few large copies and many small ones (where launches would dominate)."""
+    (no host between them): within 15% for a few large copies, within 30% for many small ones, where timing the
+    host's launches (several µs each, against about 1 µs of copying) would come out two to four times longer."""
     import torch
 
     ps = load_script()
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     dev = torch.device("cuda")
-    for sizes in ([3 << 28, 1 << 26, 5 << 20], [1 << 16] * 400 + [1 << 24] * 8):
+    for sizes, rel in (([3 << 28, 1 << 26, 5 << 20], 0.15), ([1 << 20] * 200, 0.30)):
         got = ps.emulation_seconds(sizes, dev, repeats=5)
         room = min(max(sizes), 1 << 28)
         src, dst = torch.ones(room, dtype=torch.uint8, device=dev), torch.empty(room, dtype=torch.uint8, device=dev)
@@ -394,7 +395,7 @@ def test_the_fake_writes_are_timed_without_the_hosts_launches():
             end.synchronize()
             times.append(begin.elapsed_time(end) / 1e3)
         ref = sorted(times)[2]
-        assert got == pytest.approx(ref, rel=0.15), (len(sizes), got, ref)
+        assert got == pytest.approx(ref, rel=rel), (len(sizes), got, ref)
 
 
 @pytest.mark.gpu
