@@ -514,10 +514,8 @@ def fit_as_fake_rank(spec: Spec, cfg, train_cfg, device, on_step=None) -> tuple[
     with ps.fake_rank(ranks, 0, device) as counter, exchange:
         history = fit(lambda: K3ForCausalLM(cfg), batches_for("random", cfg, ranks * spec.B, spec.T, 0), train_cfg,
                       parallel=parallel, on_step=count_step_two).history
-    # the fake group's writes of the counted step, timed on their own per kind (predict_scaling's emulation_seconds)
-    kinds = sorted({kind for kind, _ in counter.writes})
-    counted["fake_writes_ms"] = {k: 1e3 * ps.emulation_seconds([b for kind, b in counter.writes if kind == k], device)
-                                 for k in kinds}
+    # the fake group's writes of the counted step, timed on their own per kind
+    counted["fake_writes_ms"] = {k: w["ms"] for k, w in counter.timed_writes(device).items()}
     return history, counted
 
 

@@ -277,9 +277,7 @@ def _written(kind: str, out, inp, filled: bool) -> int:
     reduce-scatter and all-to-all where it does so) or by :func:`_fill`; nothing for an all-reduce or broadcast
     (in place), or for a scatter with nothing to copy. A real group's NCCL kernels write these bytes on their own
     stream, inside the collective time the model adds (:func:`emulation_seconds`)."""
-    if kind in ("all_reduce", "broadcast") or (kind == "scatter" and inp is None):
-        return 0
-    if kind == "scatter" and not filled:
+    if kind in ("all_reduce", "broadcast") or (kind == "scatter" and (inp is None or not filled)):
         return 0
     return _nbytes(out)
 
@@ -425,6 +423,14 @@ class CommCounter:
         self.fsdp_calls.clear()
         self.substituted.clear()
         self.writes.clear()
+
+    def timed_writes(self, device: torch.device) -> dict:
+        """The counted step's fake-group writes per kind: ``{kind: {"bytes": Σ, "ms": their copies' device time}}``
+        (:func:`emulation_seconds`)."""
+        sizes = defaultdict(list)
+        for kind, b in self.writes:
+            sizes[kind].append(b)
+        return {k: dict(bytes=sum(v), ms=1e3 * emulation_seconds(v, device)) for k, v in sorted(sizes.items())}
 
     def fake_all_to_all_single(self, orig, a: dict):
         """torch >= 2.13's fake group copies an all-to-all's input rows into its output and refuses an empty
@@ -1277,9 +1283,9 @@ def run_config(spec: Spec, args, *, process_group: str = "fake") -> dict:
                    peak_gib=_peak_gib(device), first_steps_s=first_steps_s, losses=losses,
                    finite=all(math.isfinite(v) for v in losses), **counted)
         if counter.writes:  # the fake group's outputs, written on the compute stream: timed on their own
-            row["emulation_writes"] = {k: sum(b for kind, b in counter.writes if kind == k)
-                                       for k in sorted({kind for kind, _ in counter.writes})}
-            row["emulation_ms"] = 1e3 * emulation_seconds([b for _, b in counter.writes], device)
+            writes = counter.timed_writes(device)
+            row["emulation_writes"] = {k: w["bytes"] for k, w in writes.items()}
+            row["emulation_ms"] = sum(w["ms"] for w in writes.values())
         if process_group == "real" and device.type == "cuda":
             p = torch.tensor([row["peak_gib"]], device=device)
             dist.all_reduce(p, op=dist.ReduceOp.MAX)
